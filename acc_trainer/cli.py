@@ -1,0 +1,83 @@
+"""The command line: `acc-trainer [options]` / `python -m acc_trainer [options]` trains.
+
+Options come from the fields of `TrainConfig` (their help text is the documentation). Values are
+taken in this order, later winning: defaults, `--config FILE` (YAML), flags on the command line.
+A user mistake prints one line on stderr and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import MISSING, fields
+
+from .config import ConfigError, TrainConfig, load_yaml, make_config
+
+EXAMPLES = """\
+examples:
+  acc-trainer                                          default job: LeNet on generated images, ~30 s on a laptop CPU
+  acc-trainer --model linreg --dataset linear --optimizer sgd --lr 0.01 --batch-size 32 --epochs 10
+  acc-trainer --model resnet18 --dataset cifar10 --data-dir data --image-size 224 --batch-size 512 --optimizer sgd
+  accelerate launch --multi_gpu --num_processes 2 -m acc_trainer ...        2 GPUs, or 2 CPU processes without a GPU
+  accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m acc_trainer ...
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="acc-trainer",
+        description="Train a model with one Accelerate loop on a CPU, one GPU, several GPUs or several machines.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,  # only flags actually given override the config file
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file of options (names as below); flags override it")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        help_text = f"{f.metadata['help']} (default: {default})"
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        if kind.startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
+        parser.add_argument(flag, type=base, choices=f.metadata.get("choices"), metavar=_metavar(f, base),
+                            help=help_text)
+    return parser
+
+
+def _metavar(f, base) -> str:
+    choices = f.metadata.get("choices")
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    return {int: "N", float: "X"}.get(base, "TEXT")
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    args = vars(build_parser().parse_args(argv))
+    values = load_yaml(args.pop("config")) if "config" in args else {}
+    values.update(args)
+    return make_config(values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cfg = parse_config(argv)
+        from .train import train  # imported here so that --help and input errors answer at once
+
+        train(cfg)
+    except ConfigError as e:
+        rank = os.environ.get("RANK")
+        where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"acc-trainer: error{where}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

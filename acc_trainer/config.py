@@ -1,0 +1,202 @@
+"""The one configuration object of a training run, where command-line flags and YAML files enter.
+
+Every option is a field of `TrainConfig`; its `help` metadata is what `--help` prints, so the
+dataclass is the single place an option is declared. `TrainConfig.validate()` checks what can be
+checked before any process starts; the trainer checks the rest (world size, device) once the
+Accelerator exists. User mistakes raise `ConfigError`, which the CLI turns into one line on stderr
+and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODELS = ("linreg", "mlp", "lenet", "resnet18")
+DATASETS = ("synthetic", "linear", "fake", "cifar10", "cifar100", "imagefolder")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULERS = ("constant", "cosine", "step", "onecycle")
+PRECISIONS = ("no", "fp16", "bf16")
+PROGRESS = ("auto", "rich", "plain", "none")
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's input: reported as one line on stderr, exit code 2."""
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class TrainConfig:
+    # What to train.
+    model: str = _opt("lenet", "model to train", choices=MODELS)
+    dataset: str = _opt("synthetic", "dataset to train on", choices=DATASETS)
+    data_dir: str = _opt(
+        "data",
+        "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train/<class>/*, val/<class>/*)",
+    )
+    train_size: int = _opt(8192, "training samples of the generated datasets (synthetic, linear, fake)")
+    eval_size: int = _opt(2048, "evaluation samples of the generated datasets (synthetic, linear, fake)")
+    image_size: int | None = _opt(
+        None, "resize images to this side length (e.g. 224 to upscale CIFAR as in the ResNet-18 experiment)"
+    )
+
+    # How long and how big.
+    epochs: int = _opt(3, "passes over the training set")
+    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs when smaller)")
+    batch_size: int = _opt(
+        128, "GLOBAL batch per optimizer step, summed over processes and accumulation micro-batches"
+    )
+    grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
+    eval_batch_size: int | None = _opt(
+        None, "evaluation batch PER PROCESS (default: the per-process training micro-batch); results do not depend on it"
+    )
+
+    # Optimisation.
+    optimizer: str = _opt("adam", "optimizer", choices=OPTIMIZERS)
+    lr: float = _opt(1e-3, "learning rate (before --scale-lr)")
+    momentum: float = _opt(0.9, "SGD momentum")
+    nesterov: bool = _opt(False, "use Nesterov momentum with SGD")
+    weight_decay: float = _opt(0.0, "weight decay (decoupled for adamw, L2 for sgd and adam)")
+    scheduler: str = _opt("constant", "learning-rate schedule", choices=SCHEDULERS)
+    warmup_steps: int = _opt(0, "linear warmup from 0 over this many optimizer steps")
+    lr_step_epochs: int = _opt(1, "'step' schedule: multiply the LR by --lr-gamma every this many epochs")
+    lr_gamma: float = _opt(0.1, "'step' schedule: decay factor")
+    scale_lr: bool = _opt(
+        False, "scale the LR linearly with the global batch: lr x batch_size / --lr-reference-batch"
+    )
+    lr_reference_batch: int = _opt(256, "global batch at which --lr applies unscaled, with --scale-lr")
+    max_grad_norm: float | None = _opt(None, "clip the gradient norm to this value at every optimizer step")
+
+    # Devices and precision.
+    mixed_precision: str | None = _opt(
+        None,
+        "no, fp16 or bf16 (default: what the accelerate config says when launched with one, else no)",
+        choices=PRECISIONS,
+    )
+    cpu: bool = _opt(False, "train on the CPU even when a GPU is present")
+    sync_bn: bool = _opt(False, "convert BatchNorm layers to SyncBatchNorm (statistics over all processes)")
+    dist_timeout: int = _opt(
+        1800, "seconds a process waits for the others at a collective before failing with an error"
+    )
+    seed: int = _opt(42, "seed for weights, data order and generated data")
+    num_workers: int = _opt(0, "DataLoader worker processes per training process")
+
+    # Output.
+    output_dir: str | None = _opt(None, "where the run writes its files (default: runs/<time>-<model>-<dataset>)")
+    log_every: int = _opt(10, "log loss, LR and speed every this many optimizer steps")
+    log_with: str | None = _opt(None, "also log to this Accelerate tracker (e.g. tensorboard)")
+    progress: str = _opt(
+        "auto", "rich: live bars; plain: one line per log step; auto: rich on a terminal, else plain", choices=PROGRESS
+    )
+
+    def validate(self) -> "TrainConfig":
+        """Check everything that does not need the Accelerator. Returns self."""
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                kind = f.name.replace("_", " ")
+                raise ConfigError(f"unknown {kind} {value!r}; choose from {', '.join(choices)}")
+        for name in ("train_size", "eval_size", "epochs", "batch_size", "grad_accum", "log_every",
+                     "lr_step_epochs", "lr_reference_batch", "dist_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        for name in ("max_steps", "eval_batch_size", "image_size"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+        for name in ("lr", "lr_gamma"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
+        for name in ("momentum", "weight_decay", "warmup_steps", "num_workers", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches"
+            )
+        if self.nesterov and self.optimizer != "sgd":
+            raise ConfigError("--nesterov applies to --optimizer sgd only")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict of known option names (dashes or underscores)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option: value, not {type(data).__name__}")
+    known = {f.name for f in fields(TrainConfig)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown option {key!r}")
+        out[name] = value
+    return out
+
+
+def make_config(values: dict[str, Any]) -> TrainConfig:
+    """Build a validated TrainConfig from option values, checking each value's type."""
+    typed = {}
+    for f in fields(TrainConfig):
+        if f.name not in values:
+            continue
+        typed[f.name] = _coerce(f, values[f.name])
+    return TrainConfig(**typed).validate()
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    """YAML and argparse both hand over loosely typed values; accept what is unambiguous."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    optional = "None" in kind
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"option {f.name!r} needs a value")
+    base = kind.split("|")[0].strip()
+    try:
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            raise TypeError
+        if base == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if base == "float":
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if base == "str":
+            if isinstance(value, (dict, list)):
+                raise TypeError
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"option {f.name!r} must be {base}, got {value!r}") from None
+    return value

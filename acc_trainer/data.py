@@ -1,0 +1,206 @@
+"""Datasets by name: generated ones for offline work, and torchvision's CIFAR and ImageFolder.
+
+Each builder returns a `Data`: the training and evaluation sets plus what the model and the loss
+need to know (task, number of classes, input shape). Builders are called by every process inside
+`accelerator.main_process_first()`, so a download happens once, on the main process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from .config import ConfigError, TrainConfig
+
+NUM_SYNTHETIC_CLASSES = 10
+CIFAR_MEAN_STD = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+
+
+@dataclass
+class Data:
+    train: Dataset
+    eval: Dataset
+    task: str  # "classification" or "regression"
+    num_classes: int | None  # None for regression
+    input_shape: tuple[int, ...]  # of one sample, e.g. (3, 32, 32) or (1,)
+
+
+def torchvision():
+    """Import torchvision, or say clearly why it cannot be used (e.g. a build that does not match torch)."""
+    try:
+        import torchvision as tv
+    except Exception as e:  # a mismatched build fails with RuntimeError or OSError, not only ImportError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"torchvision cannot be imported ({first}); install the torchvision release built for "
+            f"torch {torch.__version__} (pip install torchvision)"
+        ) from None
+    return tv
+
+
+class Resized(Dataset):
+    """Upscales the images of a tensor dataset per sample, as torchvision's Resize does for PIL images."""
+
+    def __init__(self, base: Dataset, size: int):
+        self.base, self.size = base, size
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False)
+        return x[0], y
+
+
+def _maybe_resize(ds: TensorDataset, size: int, native: int) -> Dataset:
+    return ds if size == native else Resized(ds, size)
+
+
+def synthetic(cfg: TrainConfig) -> Data:
+    """A learnable 10-class set of 3x32x32 images: a smooth random prototype per class plus noise.
+
+    Made from `--seed` alone, so every process builds the same samples without touching the disk.
+    """
+    g = torch.Generator().manual_seed(cfg.seed)
+    coarse = torch.randn(NUM_SYNTHETIC_CLASSES, 3, 4, 4, generator=g)
+    prototypes = F.interpolate(coarse, size=(32, 32), mode="bilinear", align_corners=False)
+
+    def make(n: int) -> TensorDataset:
+        labels = torch.randint(0, NUM_SYNTHETIC_CLASSES, (n,), generator=g)
+        noise = torch.randn(n, 3, 32, 32, generator=g)
+        return TensorDataset(prototypes[labels] * 0.15 + noise, labels)
+
+    size = _image_size(cfg)
+    train, eval_ = make(cfg.train_size), make(cfg.eval_size)
+    return Data(_maybe_resize(train, size, 32), _maybe_resize(eval_, size, 32), "classification",
+                NUM_SYNTHETIC_CLASSES, (3, size, size))
+
+
+def linear(cfg: TrainConfig) -> Data:
+    """y = 2x + 3 + 0.1 * noise, the regression of the single-vs-DDP notebook."""
+    g = torch.Generator().manual_seed(cfg.seed)
+
+    def make(n: int) -> TensorDataset:
+        x = torch.randn(n, 1, generator=g)
+        return TensorDataset(x, 2 * x + 3 + 0.1 * torch.randn(n, 1, generator=g))
+
+    return Data(make(cfg.train_size), make(cfg.eval_size), "regression", None, (1,))
+
+
+def fake(cfg: TrainConfig) -> Data:
+    """Random images and labels at the final size, for measuring throughput only (nothing to learn)."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    size = _image_size(cfg)
+
+    def make(n: int) -> TensorDataset:
+        return TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+    return Data(make(cfg.train_size), make(cfg.eval_size), "classification", 10, (3, size, size))
+
+
+def _image_transform(cfg: TrainConfig, mean, std, resize: bool):
+    transforms = torchvision().transforms
+    size = _image_size(cfg)
+    steps = [transforms.Resize((size, size))] if resize else []
+    return transforms.Compose([*steps, transforms.ToTensor(), transforms.Normalize(mean, std)])
+
+
+def _image_size(cfg: TrainConfig) -> int:
+    return cfg.image_size or 32
+
+
+def cifar(cfg: TrainConfig) -> Data:
+    """CIFAR-10/100 through torchvision, from --data-dir in torchvision's layout (downloaded there if online)."""
+    tv = torchvision()
+    cls = tv.datasets.CIFAR10 if cfg.dataset == "cifar10" else tv.datasets.CIFAR100
+    root = Path(cfg.data_dir)
+    mean, std = CIFAR_MEAN_STD[cfg.dataset]
+    tf = _image_transform(cfg, mean, std, resize=_image_size(cfg) != 32)
+    folder = root / CIFAR_FOLDERS[cfg.dataset]
+    if not folder.is_dir():
+        _download_cifar(cls, root, cfg.dataset, folder)
+    try:
+        train = cls(root=str(root), train=True, transform=tf, download=False)
+        eval_ = cls(root=str(root), train=False, transform=tf, download=False)
+    except Exception as e:  # torchvision says "Dataset not found or corrupted" or fails to unpickle
+        raise ConfigError(f"{cfg.dataset} files in {folder} are incomplete or corrupted ({_first_line(e)})") from None
+    return Data(train, eval_, "classification", len(train.classes), (3, _image_size(cfg), _image_size(cfg)))
+
+
+def _download_cifar(cls, root: Path, name: str, folder: Path) -> None:
+    from accelerate import PartialState
+
+    if not PartialState().is_local_main_process:
+        raise ConfigError(f"{name} was not found in {folder}, and the main process could not download it")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        cls(root=str(root), train=True, download=True)
+    except Exception as e:
+        raise ConfigError(
+            f"{name} was not found in {folder} and could not be downloaded ({_first_line(e)}); "
+            f"put the extracted '{folder.name}' folder of the python version of the dataset in {root}"
+        ) from None
+
+
+def imagefolder(cfg: TrainConfig) -> Data:
+    """torchvision's ImageFolder on --data-dir/train and --data-dir/val, images resized to --image-size."""
+    tv = torchvision()
+    root = Path(cfg.data_dir)
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise ConfigError(f"imagefolder needs {root / split} with one sub-folder of images per class")
+    tf = _image_transform(cfg, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize=True)
+    try:
+        train = tv.datasets.ImageFolder(str(root / "train"), transform=tf)
+        eval_ = tv.datasets.ImageFolder(str(root / "val"), transform=tf)
+    except (FileNotFoundError, OSError) as e:
+        raise ConfigError(f"imagefolder {root}: {_first_line(e)}") from None
+    if train.classes != eval_.classes:
+        raise ConfigError(
+            f"imagefolder {root}: train/ and val/ have different classes ({train.classes} vs {eval_.classes})"
+        )
+    size = _image_size(cfg)
+    return Data(train, eval_, "classification", len(train.classes), (3, size, size))
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
+    "synthetic": synthetic,
+    "linear": linear,
+    "fake": fake,
+    "cifar10": cifar,
+    "cifar100": cifar,
+    "imagefolder": imagefolder,
+}
+
+
+def build_data(cfg: TrainConfig) -> Data:
+    data = DATASETS[cfg.dataset](cfg)
+    if len(data.eval) == 0:
+        raise ConfigError(f"the evaluation set of {cfg.dataset} is empty")
+    if len(data.train) < cfg.batch_size:
+        raise ConfigError(
+            f"the training set of {cfg.dataset} has {len(data.train)} samples, fewer than one global batch "
+            f"(--batch-size {cfg.batch_size})"
+        )
+    return data
+
+
+def steps_per_epoch(data: Data, cfg: TrainConfig) -> int:
+    """Whole global batches per epoch; the last incomplete one is dropped so every step sees a full batch."""
+    return math.floor(len(data.train) / cfg.batch_size)

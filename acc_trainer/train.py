@@ -1,0 +1,278 @@
+"""The training loop: one function, the same on a CPU, one GPU, many GPUs and many machines.
+
+Read `train()` top to bottom. Accelerate does every distributed step, each one visible here:
+`Accelerator(...)` picks devices, processes and precision; `prepare` wraps the model (DDP when
+there are several processes), the optimizer, the scheduler and the data loaders (each process gets
+its slice of every global batch); `accumulate` + `backward` handle gradient accumulation and
+loss scaling; `gather_for_metrics` collects evaluation outputs from every process exactly once;
+`save_model` writes the final weights from the main process.
+
+How batches are counted: `--batch-size` is the GLOBAL batch of one optimizer step. The training
+loader yields global micro-batches of batch_size / grad_accum samples, and Accelerate
+(`split_batches=True`) hands each of the N processes 1/N of every one. So 1 process, or 2, or 2 with
+accumulation, all see the same samples at every optimizer step, and the LR schedule counts
+optimizer steps whatever the topology.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
+from torch.utils.data import DataLoader, RandomSampler
+
+from .config import ConfigError, TrainConfig
+from .data import Data, build_data, steps_per_epoch
+from .metrics import RunFiles, fingerprint, library_versions
+from .models import build_model
+from .optim import build_optimizer, build_scheduler
+from .progress import Progress
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train as `cfg` says; every process calls this. Returns the run summary (also in summary.json)."""
+    cfg.validate()
+    started = time.perf_counter()
+    accelerator = Accelerator(
+        # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
+        # form one gloo group (MULTI_CPU) instead of running as independent copies.
+        cpu=cfg.cpu or not torch.cuda.is_available(),
+        mixed_precision=cfg.mixed_precision,  # None: the accelerate config's choice, else "no"
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with=cfg.log_with,
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=cfg.seed),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],
+    )
+    world = accelerator.num_processes
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
+        raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} does not split into {world} processes x {cfg.grad_accum} "
+            f"accumulation micro-batches; use a multiple of {world * cfg.grad_accum}"
+        )
+    out = _output_dir(cfg, accelerator)
+    files = RunFiles(out, enabled=accelerator.is_main_process)
+    files.write_config(cfg)
+
+    # Same seed on every process: identical initial weights, identical generated data.
+    set_seed(cfg.seed)
+    data = _prepare_data(cfg, accelerator)
+    model = build_model(cfg.model, data)
+    if cfg.sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    per_epoch = steps_per_epoch(data, cfg)
+    total_steps = min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
+    epochs = math.ceil(total_steps / per_epoch)
+    lr = cfg.lr * cfg.batch_size / cfg.lr_reference_batch if cfg.scale_lr else cfg.lr
+    optimizer = build_optimizer(cfg, model.parameters(), lr)
+    scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch)
+
+    # Exactly `per_epoch` whole global batches per epoch, shuffled by a seeded sampler that
+    # Accelerate reseeds every epoch: no partial step, no partial accumulation, same order anywhere.
+    train_loader = DataLoader(
+        data.train,
+        batch_size=cfg.batch_size // cfg.grad_accum,
+        sampler=RandomSampler(data.train, num_samples=per_epoch * cfg.batch_size),
+        drop_last=True,
+        num_workers=cfg.num_workers,
+        pin_memory=accelerator.device.type == "cuda",
+        persistent_workers=cfg.num_workers > 0,
+    )
+    micro_batch = cfg.batch_size // (world * cfg.grad_accum)
+    eval_loader = DataLoader(data.eval, batch_size=(cfg.eval_batch_size or micro_batch) * world, shuffle=False,
+                             num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
+    loss_fn = F.cross_entropy if data.task == "classification" else F.mse_loss
+    ranks_agree = _check_ranks_agree(accelerator, model, "initial")
+    if cfg.log_with:
+        accelerator.init_trackers("acc_trainer", config=_tracker_config(cfg))
+
+    progress = Progress(cfg.progress, accelerator.is_main_process, total_steps, epochs, per_epoch)
+    progress.print(
+        f"[bold]acc_trainer[/] {cfg.model} on {cfg.dataset}: {world} process(es) "
+        f"({accelerator.distributed_type.value}, {accelerator.device.type}), precision {accelerator.mixed_precision}, "
+        f"global batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {micro_batch}, {total_steps} steps"
+    )
+
+    step, logged_step, train_time, evals = 0, 0, 0.0, []
+    loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
+    interval_start, data_wait = time.perf_counter(), 0.0
+    with progress:
+        for epoch in range(epochs):
+            model.train()
+            progress.new_epoch(epoch)
+            batch_ready = time.perf_counter()
+            for inputs, targets in train_loader:
+                data_wait += time.perf_counter() - batch_ready
+                with accelerator.accumulate(model):
+                    loss = loss_fn(model(inputs), targets)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and cfg.max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                # Summed on the device; read back only every --log-every steps (no per-step host sync).
+                loss_sum += loss.detach()
+                loss_count += 1
+                batch_ready = time.perf_counter()
+                if not accelerator.sync_gradients:
+                    continue
+                step += 1
+                progress.step()
+                if step % cfg.log_every == 0 or step == total_steps:
+                    # Every rank's mean loss over the interval, gathered: the logged loss is their mean.
+                    per_rank = accelerator.gather((loss_sum / loss_count)[None]).tolist()
+                    elapsed = time.perf_counter() - interval_start
+                    steps_done, logged_step = step - logged_step, step
+                    record = {
+                        "step": step,
+                        "epoch": epoch + 1,
+                        "loss": sum(per_rank) / len(per_rank),
+                        "loss_per_rank": per_rank,
+                        "lr": scheduler.get_last_lr()[0],
+                        "samples_per_s": steps_done * cfg.batch_size / elapsed,
+                        "step_time_s": elapsed / steps_done,
+                        "data_time_s": data_wait / steps_done,
+                    }
+                    files.log(record)
+                    if cfg.log_with:
+                        accelerator.log({"train/loss": record["loss"], "train/lr": record["lr"],
+                                         "train/samples_per_s": record["samples_per_s"]}, step=step)
+                    progress.log(step, epoch, record["loss"], record["lr"], record["samples_per_s"])
+                    train_time += elapsed
+                    loss_sum.zero_()
+                    loss_count, data_wait = 0, 0.0
+                    interval_start = time.perf_counter()
+                if step == total_steps:
+                    break
+            # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
+            eval_start = time.perf_counter()
+            metrics = evaluate(accelerator, model, eval_loader, data.task)
+            evals.append({"step": step, "epoch": epoch + 1, **metrics})
+            files.log({"step": step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in metrics.items()}})
+            if cfg.log_with:
+                accelerator.log({f"eval/{k}": v for k, v in metrics.items() if k != "samples"}, step=step)
+            progress.print(f"epoch {epoch + 1}/{epochs}: " + _format_eval(metrics))
+            interval_start += time.perf_counter() - eval_start  # evaluation is not training time
+
+    ranks_agree = ranks_agree and _check_ranks_agree(accelerator, model, "final")
+    accelerator.wait_for_everyone()
+    accelerator.save_model(model, out)
+    final = evals[-1]
+    summary = {
+        "model": cfg.model,
+        "dataset": cfg.dataset,
+        "world_size": world,
+        "distributed_type": accelerator.distributed_type.value,
+        "device": accelerator.device.type,
+        "mixed_precision": accelerator.mixed_precision,
+        "global_batch_size": cfg.batch_size,
+        "grad_accum": cfg.grad_accum,
+        "per_process_batch_size": micro_batch,
+        "steps": step,
+        "epochs": epochs,
+        "train_samples": step * cfg.batch_size,
+        "eval": {k: v for k, v in final.items() if k not in ("samples", "step", "epoch")},
+        "eval_samples": final["samples"],
+        "evals": evals,
+        "wall_time_s": time.perf_counter() - started,
+        "train_time_s": train_time,
+        "samples_per_s": step * cfg.batch_size / train_time if train_time else None,
+        "ranks_agree": ranks_agree,
+        "output_dir": str(out),
+        "versions": library_versions(),
+    }
+    if data.task == "regression" and cfg.model == "linreg":
+        layer = accelerator.unwrap_model(model).linear
+        summary["learned"] = {"weight": layer.weight.item(), "bias": layer.bias.item()}
+        progress.print(f"learned weight {layer.weight.item():.4f}, bias {layer.bias.item():.4f}")
+    files.write_summary(summary)
+    progress.print(f"[bold]final[/] {_format_eval(final)}; {summary['samples_per_s'] or 0:,.0f} samples/s; "
+                   f"run files in {out}")
+    accelerator.end_training()
+    return summary
+
+
+def evaluate(accelerator: Accelerator, model, loader, task: str) -> dict:
+    """Metrics over the whole evaluation set, each sample counted once whatever the number of processes.
+
+    The loader pads its last batch so that every process gets the same number of samples;
+    `gather_for_metrics` drops that padding again.
+    """
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    correct = torch.zeros((), dtype=torch.int64, device=accelerator.device)
+    count = 0
+    with torch.no_grad():
+        for inputs, targets in loader:
+            outputs, targets = accelerator.gather_for_metrics((model(inputs), targets))
+            outputs = outputs.float()
+            if task == "classification":
+                loss_sum += F.cross_entropy(outputs, targets, reduction="sum").double()
+                correct += (outputs.argmax(dim=1) == targets).sum()
+            else:
+                loss_sum += F.mse_loss(outputs, targets, reduction="sum").double() / outputs[0].numel()
+            count += len(targets)
+    model.train()
+    metrics = {"loss": loss_sum.item() / count, "samples": count}
+    if task == "classification":
+        metrics["accuracy"] = correct.item() / count
+    return metrics
+
+
+def _prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> Data:
+    # The main process goes first (and downloads, if it must); the others then read its files. An
+    # error is raised only after the context, so that no process is left waiting at its barrier.
+    error = None
+    with accelerator.main_process_first():
+        try:
+            data = build_data(cfg)
+        except ConfigError as e:
+            error = e
+    if error is not None:
+        raise error
+    return data
+
+
+def _output_dir(cfg: TrainConfig, accelerator: Accelerator) -> Path:
+    if cfg.output_dir:
+        out = Path(cfg.output_dir)
+    else:  # the main process names it, so that every process writes to the same folder
+        name = [f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model}-{cfg.dataset}"]
+        broadcast_object_list(name)
+        out = Path(name[0])
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir {out} exists and is not a folder")
+    if any((out / name).exists() for name in RunFiles.OUTPUTS):
+        raise ConfigError(f"--output-dir {out} already holds a run; choose a new folder")
+    accelerator.wait_for_everyone()  # every process has checked before the main one writes
+    return out
+
+
+def _check_ranks_agree(accelerator: Accelerator, model, when: str) -> bool:
+    """Compares the parameters of every process (checked, not assumed); a difference is a bug."""
+    prints = accelerator.gather(fingerprint(accelerator.unwrap_model(model))[None])
+    if not bool((prints == prints[0]).all()):
+        raise RuntimeError(f"the {when} parameters differ between processes")
+    return True
+
+
+def _tracker_config(cfg: TrainConfig) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.to_dict().items()}
+
+
+def _format_eval(metrics: dict) -> str:
+    text = f"eval loss {metrics['loss']:.4f}"
+    if "accuracy" in metrics:
+        text += f", accuracy {metrics['accuracy']:.2%}"
+    return text + f" on {metrics['samples']} samples"
