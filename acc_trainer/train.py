@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs, PartialState
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from torch.utils.data import DataLoader, RandomSampler
 
@@ -39,27 +39,27 @@ def train(cfg: TrainConfig) -> dict:
     """Train as `cfg` says; every process calls this. Returns the run summary (also in summary.json)."""
     cfg.validate()
     started = time.perf_counter()
+    # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
+    # form one gloo group (MULTI_CPU) instead of running as independent copies.
+    cpu = cfg.cpu or not torch.cuda.is_available()
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
+    # The process group comes first (Accelerate's PartialState), so that the main process can name
+    # the run folder for everyone before the Accelerator, whose trackers write there, is created.
+    state = PartialState(cpu=cpu, **timeout.to_kwargs())
+    _check_topology(cfg, state)
+    out = _output_dir(cfg)
     accelerator = Accelerator(
-        # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
-        # form one gloo group (MULTI_CPU) instead of running as independent copies.
-        cpu=cfg.cpu or not torch.cuda.is_available(),
+        cpu=cpu,
         mixed_precision=cfg.mixed_precision,  # None: the accelerate config's choice, else "no"
         gradient_accumulation_steps=cfg.grad_accum,
-        log_with=cfg.log_with,
+        log_with=_tracker(cfg.log_with),
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=cfg.seed),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))],
+        kwargs_handlers=[timeout],
     )
     world = accelerator.num_processes
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
-    if cfg.batch_size % (world * cfg.grad_accum):
-        raise ConfigError(
-            f"--batch-size {cfg.batch_size} does not split into {world} processes x {cfg.grad_accum} "
-            f"accumulation micro-batches; use a multiple of {world * cfg.grad_accum}"
-        )
-    out = _output_dir(cfg, accelerator)
-    files = RunFiles(out, enabled=accelerator.is_main_process)
-    files.write_config(cfg)
 
     # Same seed on every process: identical initial weights, identical generated data.
     set_seed(cfg.seed)
@@ -92,6 +92,9 @@ def train(cfg: TrainConfig) -> dict:
         model, optimizer, train_loader, eval_loader, scheduler
     )
     loss_fn = F.cross_entropy if data.task == "classification" else F.mse_loss
+    # Startup succeeded: only now does the run write anything, so a failed start leaves nothing behind.
+    files = RunFiles(out, enabled=accelerator.is_main_process)
+    files.write_config(cfg)
     ranks_agree = _check_ranks_agree(accelerator, model, "initial")
     if cfg.log_with:
         accelerator.init_trackers("acc_trainer", config=_tracker_config(cfg))
@@ -244,7 +247,16 @@ def _prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> Data:
     return data
 
 
-def _output_dir(cfg: TrainConfig, accelerator: Accelerator) -> Path:
+def _check_topology(cfg: TrainConfig, state: PartialState) -> None:
+    world = state.num_processes
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} does not split into {world} processes x {cfg.grad_accum} "
+            f"accumulation micro-batches; use a multiple of {world * cfg.grad_accum}"
+        )
+
+
+def _output_dir(cfg: TrainConfig) -> Path:
     if cfg.output_dir:
         out = Path(cfg.output_dir)
     else:  # the main process names it, so that every process writes to the same folder
@@ -255,8 +267,22 @@ def _output_dir(cfg: TrainConfig, accelerator: Accelerator) -> Path:
         raise ConfigError(f"--output-dir {out} exists and is not a folder")
     if any((out / name).exists() for name in RunFiles.OUTPUTS):
         raise ConfigError(f"--output-dir {out} already holds a run; choose a new folder")
-    accelerator.wait_for_everyone()  # every process has checked before the main one writes
+    PartialState().wait_for_everyone()  # every process has checked before the main one writes
     return out
+
+
+def _tracker(name: str | None) -> str | None:
+    """Accelerate drops a tracker that is not installed with a warning; a user who asked for it gets an error."""
+    if name is None:
+        return None
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    if name not in LOGGER_TYPE_TO_CLASS:
+        raise ConfigError(f"unknown tracker {name!r}; Accelerate supports {', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
+    if name not in [str(t) for t in get_available_trackers()]:
+        extra = ' (pip install -e ".[tensorboard]")' if name == "tensorboard" else ""
+        raise ConfigError(f"--log-with {name}: the {name} package is not installed{extra}")
+    return name
 
 
 def _check_ranks_agree(accelerator: Accelerator, model, when: str) -> bool:

@@ -1,0 +1,79 @@
+"""Helpers to run acc_trainer the ways a user does: the CLI, `accelerate launch`, and the Python API."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "accelerate_configs"
+BIN = Path(sys.executable).parent
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **extra)
+    return env
+
+
+def run_cli(*args, cwd=None, timeout=300, command=None) -> subprocess.CompletedProcess:
+    """`python -m acc_trainer ARGS` (or another console command) as a user runs it."""
+    cmd = command or [sys.executable, "-m", "acc_trainer"]
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env=_env())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(*args, launcher_args=(), target=("-m", "acc_trainer"), cwd=None, timeout=300, env=None):
+    """`accelerate launch LAUNCHER_ARGS -m acc_trainer ARGS` on a free port."""
+    cmd = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), *map(str, launcher_args),
+           *target, *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=_env(**(env or {})))
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"
+    return result
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def train_in_process(tmp_path):
+    """Runs `acc_trainer.train.train` in this process, one run after another, as the API user does."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from acc_trainer.config import make_config
+    from acc_trainer.train import train
+
+    count = 0
+
+    def run(**options):
+        nonlocal count
+        count += 1
+        # Accelerate keeps its state in process-wide singletons; a fresh run starts from a clean one.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        options = {"output_dir": str(tmp_path / f"run{count}"), "progress": "none", **options}
+        return train(make_config(options))
+
+    yield run
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

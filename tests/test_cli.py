@@ -1,0 +1,129 @@
+"""The command line as the README shows it: the default job, --help, YAML configs and bad input."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from acc_trainer.cli import parse_config
+from acc_trainer.config import ConfigError, TrainConfig
+from conftest import BIN, check, metrics, run_cli, summary
+
+
+def test_default_job_learns_and_leaves_its_files(tmp_path):
+    out = check(run_cli(cwd=tmp_path)).stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()  # default output dir: a new folder under runs/
+    s = summary(run_dir)
+    assert s["eval"]["accuracy"] > 0.8  # 10 classes: chance is 0.1
+    assert f"accuracy {s['eval']['accuracy']:.2%}" in out
+    assert s["eval_samples"] == TrainConfig().eval_size
+    assert s["world_size"] == 1 and s["distributed_type"] == "NO" and s["mixed_precision"] == "no"
+    assert s["ranks_agree"] is True
+    assert {"torch", "accelerate", "torchvision", "python"} <= set(s["versions"])
+    assert s["wall_time_s"] > 0 and s["samples_per_s"] > 0
+
+    records = metrics(run_dir)
+    train_records = [r for r in records if "loss" in r]
+    eval_records = [r for r in records if "eval_accuracy" in r]
+    assert {"step", "epoch", "loss", "lr", "samples_per_s"} <= set(train_records[0])
+    assert [r["epoch"] for r in eval_records] == [1, 2, 3]
+    assert train_records[-1]["loss"] < train_records[0]["loss"] / 2
+
+    # The resolved configuration reads back as a config file and reproduces the defaults.
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert parse_config(["--config", str(run_dir / "config.yaml")]).to_dict() == resolved
+
+    # Final weights: saved once, and they load into a freshly built model of the same name.
+    from acc_trainer.data import build_data
+    from acc_trainer.models import build_model
+
+    model = build_model("lenet", build_data(TrainConfig()))
+    weights = load_file(run_dir / "model.safetensors")
+    assert set(weights) == set(model.state_dict())
+    model.load_state_dict(weights)
+
+
+def test_console_script_is_the_same_command():
+    via_module = check(run_cli("--help")).stdout
+    via_script = check(run_cli("--help", command=[str(BIN / "acc-trainer")])).stdout
+    assert via_script == via_module
+
+
+def test_help_documents_every_option():
+    text = check(run_cli("--help")).stdout
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, f"{flag} missing from --help"
+        assert f.metadata["help"].split()[0] in text
+    assert "--config" in text and "accelerate launch" in text
+
+
+def test_yaml_config_with_flags_overriding_it(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: mlp\nbatch-size: 64\nlr: 0.01\noptimizer: sgd\nnesterov: true\n")
+    cfg = parse_config(["--config", str(path), "--lr", "0.02"])
+    assert (cfg.model, cfg.batch_size, cfg.lr, cfg.optimizer, cfg.nesterov) == ("mlp", 64, 0.02, "sgd", True)
+    assert parse_config(["--config", str(path), "--no-nesterov"]).nesterov is False
+
+
+def _existing_run(tmp_path: Path) -> Path:
+    run = tmp_path / "earlier"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "model.safetensors").write_bytes(b"weights of an earlier run")
+    return run
+
+
+BAD_INPUTS = [
+    (["--model", "transformer"], "invalid choice: 'transformer'"),
+    (["--dataset", "mnist"], "invalid choice: 'mnist'"),
+    (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+    (["--epochs", "-1"], "--epochs must be positive, got -1"),
+    (["--train-size", "0"], "--train-size must be positive"),
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--lr", "fast"], "invalid float value: 'fast'"),
+    (["--batch-size", "100", "--grad-accum", "3"], "does not divide into --grad-accum 3"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--config", "{tmp}/missing.yaml"], "missing.yaml does not exist"),
+    (["--config", "{tmp}/broken.yaml"], "is not valid YAML"),
+    (["--config", "{tmp}/unknown.yaml"], "unknown option 'learning_rate'"),
+    (["--config", "{tmp}/wrongtype.yaml"], "option 'epochs' must be int, got 'three'"),
+    (["--dataset", "imagefolder", "--data-dir", "{tmp}/nowhere"], "imagefolder needs {tmp}/nowhere/train"),
+    (["--dataset", "cifar10", "--data-dir", "{tmp}/nocifar"], "put the extracted 'cifar-10-batches-py' folder"),
+    (["--model", "linreg"], "use it with --dataset linear"),
+    (["--model", "lenet", "--dataset", "linear"], "classifies images"),
+    (["--mixed-precision", "fp16", "--cpu"], "fp16 mixed precision needs a GPU"),
+    (["--train-size", "100", "--batch-size", "128"], "fewer than one global batch"),
+    (["--log-with", "notatracker"], "unknown tracker 'notatracker'"),
+    (["--output-dir", "{tmp}/earlier"], "already holds a run"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "broken.yaml").write_text("model: [lenet\n")
+    (tmp_path / "unknown.yaml").write_text("learning_rate: 0.1\n")
+    (tmp_path / "wrongtype.yaml").write_text("epochs: three\n")
+    earlier = _existing_run(tmp_path)
+    args = [a.format(tmp=tmp_path) for a in args]
+    result = run_cli(*args, "--max-steps", "2", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("acc-trainer: error: ")
+    assert message.format(tmp=tmp_path) in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    # Nothing already written is touched, and a failed start leaves no half-made run behind.
+    assert (earlier / "model.safetensors").read_bytes() == b"weights of an earlier run"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_errors_are_one_type():
+    with pytest.raises(ConfigError, match="--warmup-steps must not be negative"):
+        TrainConfig(warmup_steps=-1).validate()
+    with pytest.raises(ConfigError, match="--nesterov applies to --optimizer sgd only"):
+        TrainConfig(nesterov=True, optimizer="adam").validate()

@@ -1,0 +1,132 @@
+"""Datasets from disk, in the formats torchvision reads, written small by the tests themselves."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from acc_trainer.config import ConfigError, TrainConfig
+from acc_trainer.data import build_data
+from conftest import check, run_cli
+
+
+def write_cifar(root: Path, name: str, train_per_file: int, test: int, classes: int) -> dict:
+    """Files laid out and pickled as the python version of CIFAR-10/100 ships them."""
+    rng = np.random.default_rng(0)
+
+    def batch(n: int, label_key: str) -> dict:
+        labels = rng.integers(0, classes, n)
+        # A learnable image: the class shifts the red channel.
+        images = rng.integers(0, 100, (n, 3, 32, 32)).astype(np.uint8)
+        images[:, 0] += (labels * (150 // classes)).astype(np.uint8)[:, None, None]
+        return {"data": images.reshape(n, 3072), label_key: labels.tolist(), "filenames": [f"{i}.png" for i in range(n)]}
+
+    written = {}
+    if name == "cifar10":
+        folder = root / "cifar-10-batches-py"
+        folder.mkdir(parents=True)
+        files = {f"data_batch_{i}": batch(train_per_file, "labels") for i in range(1, 6)}
+        files["test_batch"] = batch(test, "labels")
+        files["batches.meta"] = {"label_names": [f"class{i}" for i in range(classes)]}
+    else:
+        folder = root / "cifar-100-python"
+        folder.mkdir(parents=True)
+        files = {"train": batch(train_per_file * 5, "fine_labels"), "test": batch(test, "fine_labels"),
+                 "meta": {"fine_label_names": [f"class{i}" for i in range(classes)]}}
+    for file, content in files.items():
+        with open(folder / file, "wb") as f:
+            pickle.dump(content, f, protocol=2)
+        written[file] = content
+    return written
+
+
+@pytest.mark.parametrize("name,classes,test_file", [("cifar10", 10, "test_batch"), ("cifar100", 100, "test")])
+def test_cifar_loads_from_torchvision_layout(tmp_path, name, classes, test_file):
+    written = write_cifar(tmp_path, name, train_per_file=40, test=37, classes=classes)
+    data = build_data(TrainConfig(dataset=name, data_dir=str(tmp_path), batch_size=32))
+    assert (len(data.train), len(data.eval), data.num_classes) == (200, 37, classes)
+    image, label = data.eval[3]
+    assert image.shape == (3, 32, 32) and label == written[test_file]["fine_labels" if name == "cifar100" else "labels"][3]
+    # Pixels arrive as written, normalised with the dataset's mean and std.
+    raw = torch.tensor(written[test_file]["data"][3].reshape(3, 32, 32), dtype=torch.float32) / 255
+    from acc_trainer.data import CIFAR_MEAN_STD
+
+    mean, std = (torch.tensor(v)[:, None, None] for v in CIFAR_MEAN_STD[name])
+    torch.testing.assert_close(image, (raw - mean) / std)
+
+
+def test_cifar10_trains_and_upscales(tmp_path, train_in_process):
+    write_cifar(tmp_path, "cifar10", train_per_file=40, test=37, classes=10)
+    s = train_in_process(model="lenet", dataset="cifar10", data_dir=str(tmp_path), batch_size=32, epochs=1,
+                         image_size=64)
+    assert s["eval_samples"] == 37 and s["steps"] == 200 // 32
+    assert build_data(TrainConfig(dataset="cifar10", data_dir=str(tmp_path), image_size=64)).eval[0][0].shape == (3, 64, 64)
+
+
+def test_corrupt_cifar_is_a_clear_error(tmp_path):
+    write_cifar(tmp_path, "cifar10", train_per_file=8, test=8, classes=10)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    path.write_bytes(path.read_bytes()[:100])  # truncated, as by an interrupted copy
+    with pytest.raises(ConfigError, match="cifar10 files in .*cifar-10-batches-py are incomplete or corrupted"):
+        build_data(TrainConfig(dataset="cifar10", data_dir=str(tmp_path), batch_size=8))
+
+
+def write_imagefolder(root: Path, per_class: dict[str, int]) -> None:
+    from PIL import Image
+
+    colours = {"red": (220, 30, 30), "green": (30, 220, 30), "blue": (30, 30, 220)}
+    for split, n in per_class.items():
+        for name, colour in colours.items():
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                noise = np.random.default_rng(i).integers(-25, 25, (30 + i % 7, 40, 3))
+                pixels = np.clip(np.array(colour) + noise, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+
+
+def test_imagefolder_trains_on_pngs(tmp_path, train_in_process):
+    write_imagefolder(tmp_path, {"train": 24, "val": 7})
+    data = build_data(TrainConfig(dataset="imagefolder", data_dir=str(tmp_path), batch_size=8))
+    assert (len(data.train), len(data.eval), data.num_classes) == (72, 21, 3)
+    assert data.train[0][0].shape == (3, 32, 32)  # odd-sized PNGs resized to --image-size
+    s = train_in_process(model="mlp", dataset="imagefolder", data_dir=str(tmp_path), batch_size=8, epochs=3,
+                         optimizer="sgd", lr=0.01)
+    assert s["eval_samples"] == 21
+    assert s["eval"]["accuracy"] == 1.0  # three flat colours: anything that learns separates them
+
+
+def test_imagefolder_with_mismatched_classes(tmp_path):
+    write_imagefolder(tmp_path, {"train": 2, "val": 2})
+    (tmp_path / "val" / "blue").rename(tmp_path / "val" / "purple")
+    with pytest.raises(ConfigError, match="train/ and val/ have different classes"):
+        build_data(TrainConfig(dataset="imagefolder", data_dir=str(tmp_path), batch_size=2))
+
+
+def test_broken_torchvision_is_reported_not_a_crash(tmp_path):
+    """A torchvision built for another torch fails at import; the package must still import and say so."""
+    fake = tmp_path / "site" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    code = "import acc_trainer, acc_trainer.train, acc_trainer.cli; print('imported')"
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == "imported\n"
+    result = subprocess.run([sys.executable, "-m", "acc_trainer", "--model", "resnet18", "--max-steps", "1",
+                             "--output-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
+                            cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "acc-trainer: error: torchvision cannot be imported (operator torchvision::nms does not exist); install the "
+        f"torchvision release built for torch {torch.__version__} (pip install torchvision)"
+    )
+    # Workloads that do not need torchvision still run.
+    check(subprocess.run([sys.executable, "-m", "acc_trainer", "--model", "mlp", "--max-steps", "2", "--eval-size",
+                          "64", "--output-dir", str(tmp_path / "ok")], env=env, capture_output=True, text=True))

@@ -1,0 +1,79 @@
+"""Several processes, started the ways the README says, and the shipped accelerate config files."""
+
+from __future__ import annotations
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from safetensors.torch import load_file
+
+from conftest import CONFIGS, check, launch, metrics, run_cli, summary
+
+EXPECTED_CONFIGS = {
+    "cpu.yaml": ("NO", 1, 1),
+    "cpu_ddp.yaml": ("MULTI_GPU", 2, 1),
+    "single_gpu.yaml": ("NO", 1, 1),
+    "multi_gpu.yaml": ("MULTI_GPU", 2, 1),
+    "multi_gpu_bf16.yaml": ("MULTI_GPU", 2, 1),
+    "multi_gpu_fp16.yaml": ("MULTI_GPU", 2, 1),
+    "multi_node.yaml": ("MULTI_GPU", 4, 2),
+}
+
+
+def test_every_shipped_config_loads_with_accelerates_loader():
+    assert {p.name for p in CONFIGS.glob("*.yaml")} == set(EXPECTED_CONFIGS)
+    for name, (kind, processes, machines) in EXPECTED_CONFIGS.items():
+        config = load_config_from_file(str(CONFIGS / name))
+        assert (config.distributed_type.value, config.num_processes, config.num_machines) == (kind, processes, machines)
+    assert load_config_from_file(str(CONFIGS / "multi_gpu_bf16.yaml")).mixed_precision == "bf16"
+    assert load_config_from_file(str(CONFIGS / "multi_gpu_fp16.yaml")).mixed_precision == "fp16"
+    assert load_config_from_file(str(CONFIGS / "cpu.yaml")).use_cpu is True
+
+
+JOB = ["--model", "mlp", "--max-steps", "12", "--batch-size", "64", "--eval-size", "301", "--log-every", "4"]
+
+
+@pytest.mark.parametrize("launcher_args,world", [
+    (["--config_file", CONFIGS / "cpu_ddp.yaml"], 2),
+    (["--multi_gpu", "--num_processes", "2"], 2),
+    (["--config_file", CONFIGS / "cpu.yaml"], 1),
+], ids=["cpu_ddp.yaml", "--multi_gpu --num_processes 2", "cpu.yaml"])
+def test_launched_runs_form_the_expected_group(tmp_path, launcher_args, world):
+    result = check(launch(*JOB, "--output-dir", tmp_path / "run", launcher_args=launcher_args))
+    s = summary(tmp_path / "run")
+    assert s["world_size"] == world
+    assert s["distributed_type"] == ("MULTI_CPU" if world == 2 else "NO")
+    assert s["per_process_batch_size"] == 64 // world
+    assert s["eval_samples"] == 301 and s["steps"] == 12
+    assert s["ranks_agree"] is True
+    assert s["eval"]["accuracy"] > 0.3  # it trains: 12 steps already beat chance (0.1)
+    assert all(len(r["loss_per_rank"]) == world for r in metrics(tmp_path / "run") if "loss" in r)
+    # Only the main process prints: one header line, not one per process.
+    assert result.stdout.count("acc_trainer mlp on synthetic") == 1
+
+
+def test_two_processes_train_the_same_model_as_one(tmp_path):
+    check(launch(*JOB, "--output-dir", tmp_path / "two", launcher_args=["--multi_gpu", "--num_processes", "2"]))
+    check(run_cli(*JOB, "--output-dir", tmp_path / "one"))
+    two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+
+def test_batch_that_does_not_split_over_processes(tmp_path):
+    result = launch("--batch-size", "63", "--output-dir", tmp_path / "run",
+                    launcher_args=["--multi_gpu", "--num_processes", "2"])
+    assert result.returncode != 0
+    assert "acc-trainer: error (rank 0): --batch-size 63 does not split into 2 processes x 1" in result.stderr
+    assert "Traceback" not in result.stderr.split("acc-trainer: error")[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_linear_regression_learns_two_and_three(tmp_path):
+    """y = 2x + 3 + noise, 10,000 samples, batch 32, SGD lr 0.01, 10 epochs."""
+    result = check(run_cli("--model", "linreg", "--dataset", "linear", "--train-size", "10000", "--eval-size", "1000",
+                           "--batch-size", "32", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.01",
+                           "--epochs", "10", "--log-every", "100", "--output-dir", tmp_path / "run"))
+    learned = summary(tmp_path / "run")["learned"]
+    assert abs(learned["weight"] - 2) < 0.05 and abs(learned["bias"] - 3) < 0.05
+    assert f"learned weight {learned['weight']:.4f}, bias {learned['bias']:.4f}" in result.stdout
+    assert summary(tmp_path / "run")["eval"]["loss"] < 0.02  # the noise variance is 0.01
+    assert "accuracy" not in summary(tmp_path / "run")["eval"]
