@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-MODELS = ("linreg", "mlp", "lenet", "resnet18")
+MODELS = ("linreg", "mlp", "lenet", "convnet", "resnet18")
 DATASETS = ("synthetic", "linear", "fake", "cifar10", "cifar100", "imagefolder")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("constant", "cosine", "step", "onecycle")

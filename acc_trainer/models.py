@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn as dist_nn
 from torch import nn
 
 from .config import ConfigError
@@ -56,6 +58,21 @@ class LeNet(nn.Module):
         return self.fc3(x)
 
 
+class ConvNet(nn.Module):
+    """A small CIFAR-sized network with BatchNorm: two conv-BN-ReLU-pool blocks, global average pool, linear."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
 def linreg(data: Data) -> nn.Module:
     if data.task != "regression" or data.input_shape != (1,):
         raise ConfigError("model linreg fits one input to one output: use it with --dataset linear")
@@ -80,6 +97,11 @@ def lenet(data: Data) -> nn.Module:
     return LeNet(h, data.num_classes)
 
 
+def convnet(data: Data) -> nn.Module:
+    _image_classes("convnet", data)
+    return ConvNet(data.num_classes)
+
+
 def resnet18(data: Data) -> nn.Module:
     _image_classes("resnet18", data)
     return torchvision().models.resnet18(weights=None, num_classes=data.num_classes)
@@ -89,9 +111,60 @@ MODELS: dict[str, Callable[[Data], nn.Module]] = {
     "linreg": linreg,
     "mlp": mlp,
     "lenet": lenet,
+    "convnet": convnet,
     "resnet18": resnet18,
 }
 
 
 def build_model(name: str, data: Data) -> nn.Module:
     return MODELS[name](data)
+
+
+class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm with batch statistics over all processes, for CPU (gloo) process groups.
+
+    Written here because torch.nn.SyncBatchNorm runs on CUDA only (its kernels have no CPU backend
+    and DDP refuses it on CPU modules). Same computation: per-channel sums and counts are summed
+    over processes with torch.distributed.nn's all_reduce, which also carries the gradients back.
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        dims = [0, *range(2, x.dim())]
+        channels, xf = x.size(1), x.float()
+        local = torch.cat([xf.sum(dims), xf.square().sum(dims), xf.new_tensor([x.numel() // channels])])
+        total = dist_nn.all_reduce(local)
+        count = total[-1]
+        mean = total[:channels] / count
+        var = total[channels:-1] / count - mean.square()
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                momentum = self.momentum if self.momentum is not None else 1 / self.num_batches_tracked.item()
+                self.running_mean.lerp_(mean, momentum)
+                self.running_var.lerp_(var * count / (count - 1), momentum)  # unbiased, as BatchNorm keeps it
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        y = (xf - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y.to(x.dtype)
+
+
+def sync_batchnorm(model: nn.Module, device_type: str) -> nn.Module:
+    """BatchNorm layers -> synchronised ones: torch's SyncBatchNorm on CUDA, CPUSyncBatchNorm elsewhere."""
+    if device_type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for name, child in model.named_children():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            synced = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
+                                      child.track_running_stats)
+            synced.load_state_dict(child.state_dict())
+            setattr(model, name, synced)
+        else:
+            sync_batchnorm(child, device_type)
+    return model

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from .config import ConfigError, TrainConfig
 from .data import Data, build_data, steps_per_epoch
 from .metrics import RunFiles, fingerprint, library_versions
-from .models import build_model
+from .models import build_model, sync_batchnorm
 from .optim import build_optimizer, build_scheduler
 from .progress import Progress
 
@@ -54,7 +54,7 @@ def train(cfg: TrainConfig) -> dict:
         gradient_accumulation_steps=cfg.grad_accum,
         log_with=_tracker(cfg.log_with),
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
-        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=cfg.seed),
+        dataloader_config=dataloader_config(cfg),
         kwargs_handlers=[timeout],
     )
     world = accelerator.num_processes
@@ -66,7 +66,9 @@ def train(cfg: TrainConfig) -> dict:
     data = _prepare_data(cfg, accelerator)
     model = build_model(cfg.model, data)
     if cfg.sync_bn:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = sync_batchnorm(model, accelerator.device.type)
+    # Compared before `prepare`, whose DDP wrapper would copy rank 0's weights over a seeding mistake.
+    ranks_agree = check_ranks_agree(accelerator, model, "initial")
     per_epoch = steps_per_epoch(data, cfg)
     total_steps = min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
     epochs = math.ceil(total_steps / per_epoch)
@@ -74,20 +76,7 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = build_optimizer(cfg, model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch)
 
-    # Exactly `per_epoch` whole global batches per epoch, shuffled by a seeded sampler that
-    # Accelerate reseeds every epoch: no partial step, no partial accumulation, same order anywhere.
-    train_loader = DataLoader(
-        data.train,
-        batch_size=cfg.batch_size // cfg.grad_accum,
-        sampler=RandomSampler(data.train, num_samples=per_epoch * cfg.batch_size),
-        drop_last=True,
-        num_workers=cfg.num_workers,
-        pin_memory=accelerator.device.type == "cuda",
-        persistent_workers=cfg.num_workers > 0,
-    )
-    micro_batch = cfg.batch_size // (world * cfg.grad_accum)
-    eval_loader = DataLoader(data.eval, batch_size=(cfg.eval_batch_size or micro_batch) * world, shuffle=False,
-                             num_workers=cfg.num_workers, pin_memory=accelerator.device.type == "cuda")
+    train_loader, eval_loader = build_loaders(cfg, data, world, pin_memory=accelerator.device.type == "cuda")
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
@@ -95,7 +84,6 @@ def train(cfg: TrainConfig) -> dict:
     # Startup succeeded: only now does the run write anything, so a failed start leaves nothing behind.
     files = RunFiles(out, enabled=accelerator.is_main_process)
     files.write_config(cfg)
-    ranks_agree = _check_ranks_agree(accelerator, model, "initial")
     if cfg.log_with:
         accelerator.init_trackers("acc_trainer", config=_tracker_config(cfg))
 
@@ -103,7 +91,7 @@ def train(cfg: TrainConfig) -> dict:
     progress.print(
         f"[bold]acc_trainer[/] {cfg.model} on {cfg.dataset}: {world} process(es) "
         f"({accelerator.distributed_type.value}, {accelerator.device.type}), precision {accelerator.mixed_precision}, "
-        f"global batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {micro_batch}, {total_steps} steps"
+        f"global batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {cfg.batch_size // (world * cfg.grad_accum)}, {total_steps} steps"
     )
 
     step, logged_step, train_time, evals = 0, 0, 0.0, []
@@ -168,7 +156,7 @@ def train(cfg: TrainConfig) -> dict:
             progress.print(f"epoch {epoch + 1}/{epochs}: " + _format_eval(metrics))
             interval_start += time.perf_counter() - eval_start  # evaluation is not training time
 
-    ranks_agree = ranks_agree and _check_ranks_agree(accelerator, model, "final")
+    ranks_agree = ranks_agree and check_ranks_agree(accelerator, model, "final")
     accelerator.wait_for_everyone()
     accelerator.save_model(model, out)
     final = evals[-1]
@@ -181,7 +169,7 @@ def train(cfg: TrainConfig) -> dict:
         "mixed_precision": accelerator.mixed_precision,
         "global_batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
-        "per_process_batch_size": micro_batch,
+        "per_process_batch_size": cfg.batch_size // (world * cfg.grad_accum),
         "steps": step,
         "epochs": epochs,
         "train_samples": step * cfg.batch_size,
@@ -204,6 +192,32 @@ def train(cfg: TrainConfig) -> dict:
                    f"run files in {out}")
     accelerator.end_training()
     return summary
+
+
+def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
+    """Each process takes its slice of every loader batch (so loader batches are global), and the
+    shuffle is reseeded from --seed every epoch, identically on every process and in every run."""
+    return DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=cfg.seed)
+
+
+def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) -> tuple[DataLoader, DataLoader]:
+    """The training loader yields global micro-batches; the evaluation loader `--eval-batch-size` per process."""
+    per_epoch = steps_per_epoch(data, cfg)
+    # Exactly `per_epoch` whole global batches per epoch (the first per_epoch x batch_size indices of
+    # each epoch's permutation): no partial step and no partial accumulation on any topology.
+    train_loader = DataLoader(
+        data.train,
+        batch_size=cfg.batch_size // cfg.grad_accum,
+        sampler=RandomSampler(data.train, num_samples=per_epoch * cfg.batch_size),
+        drop_last=True,
+        num_workers=cfg.num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=cfg.num_workers > 0,
+    )
+    per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
+    eval_loader = DataLoader(data.eval, batch_size=per_process * world, shuffle=False, num_workers=cfg.num_workers,
+                             pin_memory=pin_memory)
+    return train_loader, eval_loader
 
 
 def evaluate(accelerator: Accelerator, model, loader, task: str) -> dict:
@@ -285,9 +299,9 @@ def _tracker(name: str | None) -> str | None:
     return name
 
 
-def _check_ranks_agree(accelerator: Accelerator, model, when: str) -> bool:
+def check_ranks_agree(accelerator: Accelerator, model, when: str) -> bool:
     """Compares the parameters of every process (checked, not assumed); a difference is a bug."""
-    prints = accelerator.gather(fingerprint(accelerator.unwrap_model(model))[None])
+    prints = accelerator.gather(fingerprint(accelerator.unwrap_model(model)).to(accelerator.device)[None])
     if not bool((prints == prints[0]).all()):
         raise RuntimeError(f"the {when} parameters differ between processes")
     return True

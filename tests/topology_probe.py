@@ -1,0 +1,143 @@
+"""Runs a list of jobs in one launch of 1, 2 or 3 processes, through acc_trainer's own code.
+
+    python tests/topology_probe.py JOBS.json OUT_DIR                       (1 process)
+    accelerate launch --multi_gpu --num_processes 2 tests/topology_probe.py JOBS.json OUT_DIR
+
+One launch runs many jobs because starting processes costs more than these small jobs. Jobs:
+  train:     acc_trainer.train.train(options); the run folder is OUT_DIR/<name>
+  order:     which sample indices every optimizer step of the training loader sees, over 2 epochs
+  eval:      acc_trainer.train.evaluate over eval sets of several sizes and batch sizes
+  allreduce: a train job that also counts DDP's gradient all-reduces (bucket hooks)
+  disagree:  the trainer's rank-agreement check on weights changed on process 1 only
+The main process writes OUT_DIR/<name>.json for the jobs other than train.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from torch.utils.data import TensorDataset
+
+from acc_trainer.config import make_config
+from acc_trainer.data import Data, build_data
+from acc_trainer.models import build_model
+from acc_trainer.train import build_loaders, check_ranks_agree, dataloader_config, evaluate, train
+
+# One process group serves every job of the launch; a fresh Accelerator per job.
+PartialState.destroy_process_group = lambda self, group=None: None
+
+
+def fresh_state() -> None:
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+def run_train(job: dict, out: Path) -> None:
+    train(make_config({"progress": "none", **job["options"], "output_dir": str(out / job["name"])}))
+
+
+def run_order(job: dict) -> dict:
+    """Sample indices per optimizer step, from the trainer's own loaders and Accelerate config."""
+    cfg = make_config(job["options"])
+    accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cfg),
+                              gradient_accumulation_steps=cfg.grad_accum)
+    n = cfg.train_size
+    indices = TensorDataset(torch.arange(n), torch.zeros(n))
+    data = Data(indices, indices, "regression", None, (1,))
+    loader = accelerator.prepare(build_loaders(cfg, data, accelerator.num_processes, pin_memory=False)[0])
+    epochs = []
+    for _ in range(cfg.epochs):
+        steps, current = [], []
+        for ids, _ in loader:
+            current += accelerator.gather(ids).tolist()
+            if len(current) == cfg.batch_size:
+                steps.append(current)
+                current = []
+        epochs.append(steps)
+    return {"epochs": epochs}
+
+
+def run_eval(job: dict) -> dict:
+    """Metrics of one fixed model on eval sets whose sizes do not divide by processes x batch."""
+    results = {}
+    for size in job["sizes"]:
+        for batch in job["batches"]:
+            fresh_state()
+            cfg = make_config({"model": "mlp", "eval_size": size, "train_size": 64, "batch_size": 6,
+                               "eval_batch_size": batch})
+            accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cfg))
+            data = build_data(cfg)
+            torch.manual_seed(0)
+            model = build_model("mlp", data)
+            _, eval_loader = build_loaders(cfg, data, accelerator.num_processes, pin_memory=False)
+            model, eval_loader = accelerator.prepare(model, eval_loader)
+            results[f"{size}/{batch}"] = evaluate(accelerator, model, eval_loader, "classification")
+    return results
+
+
+def run_disagree(job: dict) -> dict:
+    """The trainer's rank check, on weights that differ on one process only."""
+    accelerator = Accelerator(cpu=True)
+    model = build_model("mlp", build_data(make_config({})))
+    same = check_ranks_agree(accelerator, model, "initial")
+    if accelerator.process_index == 1:
+        with torch.no_grad():
+            model.fc2.bias[0] += 1e-6
+    try:
+        check_ranks_agree(accelerator, model, "initial")
+        caught = None
+    except RuntimeError as e:
+        caught = str(e)
+    return {"same": same, "caught": caught}
+
+
+def run_allreduce(job: dict, out: Path) -> dict:
+    """Counts DDP's gradient all-reduces (one call per bucket and synchronisation)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = [0]
+
+    def counting_hook(state, bucket):
+        calls[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    original = Accelerator.prepare_model
+
+    def prepare_model(self, model, *args, **kwargs):
+        model = original(self, model, *args, **kwargs)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.register_comm_hook(None, counting_hook)
+        return model
+
+    Accelerator.prepare_model = prepare_model
+    try:
+        run_train(job, out)
+    finally:
+        Accelerator.prepare_model = original
+    return {"allreduce_calls": calls[0]}
+
+
+def main() -> None:
+    jobs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    for job in jobs:
+        fresh_state()
+        kind = job["kind"]
+        if kind == "train":
+            run_train(job, out)
+            continue
+        if kind == "allreduce":
+            result = run_allreduce(job, out)
+        else:
+            result = {"order": run_order, "eval": run_eval, "disagree": run_disagree}[kind](job)
+        if PartialState().is_main_process:
+            (out / f"{job['name']}.json").write_text(json.dumps(result))
+        PartialState().wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
