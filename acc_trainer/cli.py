@@ -67,16 +67,25 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    rank = os.environ.get("RANK")
+    several = rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
     try:
         cfg = parse_config(argv)
         from .train import train  # imported here so that --help and input errors answer at once
 
         train(cfg)
     except ConfigError as e:
-        rank = os.environ.get("RANK")
-        where = f" (rank {rank})" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        where = f" (rank {rank})" if several else ""
         print(f"acc-trainer: error{where}: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:
+        from .stopping import TrainingStopped
+
+        if not isinstance(e, TrainingStopped):
+            raise
+        if not several or rank == "0":  # every process stops together, for the same reason
+            print(f"acc-trainer: {e}", file=sys.stderr)
+        sys.exit(e.code)
 
 
 if __name__ == "__main__":

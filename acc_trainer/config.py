@@ -92,6 +92,18 @@ class TrainConfig:
     output_dir: str | None = _opt(None, "where the run writes its files (default: runs/<time>-<model>-<dataset>)")
     log_every: int = _opt(10, "log loss, LR and speed every this many optimizer steps")
     log_with: str | None = _opt(None, "also log to this Accelerate tracker (e.g. tensorboard)")
+    checkpoint_every: str | None = _opt(
+        None, "save full training state every N optimizer steps, every 'epoch', or both ('500,epoch')"
+    )
+    keep_last: int | None = _opt(None, "keep only the newest K step checkpoints (the best one is kept apart)")
+    resume: str | None = _opt(
+        None, "'auto': continue from the newest complete checkpoint in --output-dir; or a checkpoint folder"
+    )
+    save_best: str | None = _opt(None, "keep the checkpoint with the best evaluation accuracy or loss",
+                                 choices=("accuracy", "loss"))
+    skip_nonfinite: bool = _opt(
+        False, "skip optimizer steps whose loss is NaN/inf (counted in the summary) instead of stopping"
+    )
     progress: str = _opt(
         "auto", "rich: live bars; plain: one line per log step; auto: rich on a terminal, else plain", choices=PROGRESS
     )
@@ -108,7 +120,7 @@ class TrainConfig:
                      "lr_step_epochs", "lr_reference_batch", "dist_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_batch_size", "image_size"):
+        for name in ("max_steps", "eval_batch_size", "image_size", "keep_last"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
@@ -124,9 +136,31 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches"
             )
+        self.checkpoint_steps, self.checkpoint_epochs  # parses --checkpoint-every
         if self.nesterov and self.optimizer != "sgd":
             raise ConfigError("--nesterov applies to --optimizer sgd only")
         return self
+
+    @property
+    def checkpoint_steps(self) -> int | None:
+        steps = [p for p in self._checkpoint_parts() if p != "epoch"]
+        return int(steps[0]) if steps else None
+
+    @property
+    def checkpoint_epochs(self) -> bool:
+        return "epoch" in self._checkpoint_parts()
+
+    def _checkpoint_parts(self) -> list[str]:
+        if self.checkpoint_every is None:
+            return []
+        parts = [p.strip() for p in str(self.checkpoint_every).split(",")]
+        steps = [p for p in parts if p != "epoch"]
+        if len(steps) > 1 or any(not p.isdigit() or int(p) <= 0 for p in steps):
+            raise ConfigError(
+                f"--checkpoint-every takes a positive number of steps, 'epoch', or both ('500,epoch'); "
+                f"got {self.checkpoint_every!r}"
+            )
+        return parts
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,11 +17,18 @@ class RunFiles:
 
     OUTPUTS = ("metrics.jsonl", "summary.json", "model.safetensors")
 
-    def __init__(self, folder: Path, enabled: bool):
+    def __init__(self, folder: Path, enabled: bool, resumed_step: int | None = None):
+        """`resumed_step`: the run continues from a checkpoint at that step; records after it,
+        logged before the interruption, are dropped because the resumed run logs them again."""
         self.folder, self.enabled = folder, enabled
         if enabled:
             folder.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(folder / "metrics.jsonl", "a", buffering=1)  # line-buffered: survives a kill
+            path = folder / "metrics.jsonl"
+            if resumed_step is not None and path.exists():
+                kept = [line for line in path.read_text().splitlines(keepends=True)
+                        if _complete_record_before(line, resumed_step)]
+                _write_atomically(path, "".join(kept))
+            self._metrics = open(path, "a", buffering=1)  # line-buffered: survives a kill
 
     def write_config(self, cfg: TrainConfig) -> None:
         """The resolved options, in the form `--config` reads back."""
@@ -36,6 +43,13 @@ class RunFiles:
         if self.enabled:
             self._metrics.close()
             _write_atomically(self.folder / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def _complete_record_before(line: str, step: int) -> bool:
+    try:
+        return json.loads(line)["step"] <= step
+    except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+        return False
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -44,10 +44,13 @@ class Progress:
         if self.enabled:
             self.console.print(*args, **kwargs)
 
-    def new_epoch(self, epoch: int) -> None:
+    def new_epoch(self, epoch: int, done: int = 0) -> None:
+        """Start epoch `epoch` (0-based) with `done` of its steps already made (a resumed run)."""
         if self._bars is not None:
             remaining = self.total_steps - epoch * self.steps_per_epoch
-            self._bars.reset(self._epoch, total=min(self.steps_per_epoch, remaining), description=f"epoch {epoch + 1}")
+            self._bars.reset(self._epoch, total=min(self.steps_per_epoch, remaining), completed=done,
+                             description=f"epoch {epoch + 1}")
+            self._bars.update(self._run, completed=epoch * self.steps_per_epoch + done)
 
     def step(self) -> None:
         if self._bars is not None:

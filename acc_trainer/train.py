@@ -17,6 +17,7 @@ optimizer steps whatever the topology.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,16 +28,22 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
 from torch.utils.data import DataLoader, RandomSampler
 
+from .checkpoints import BEST, Checkpoints, find_resume, read_state
+from .checkpoints import load as load_checkpoint
 from .config import ConfigError, TrainConfig
 from .data import Data, build_data, steps_per_epoch
 from .metrics import RunFiles, fingerprint, library_versions
 from .models import build_model, sync_batchnorm
 from .optim import build_optimizer, build_scheduler
 from .progress import Progress
+from .stopping import NonFinite, StopSignals, TrainingStopped
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train as `cfg` says; every process calls this. Returns the run summary (also in summary.json)."""
+    """Train as `cfg` says; every process calls this. Returns the run summary (also in summary.json).
+
+    Raises ConfigError for bad input and TrainingStopped when a signal or a NaN/inf loss stops the run.
+    """
     cfg.validate()
     started = time.perf_counter()
     # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
@@ -48,6 +55,8 @@ def train(cfg: TrainConfig) -> dict:
     state = PartialState(cpu=cpu, **timeout.to_kwargs())
     _check_topology(cfg, state)
     out = _output_dir(cfg)
+    resume = find_resume(cfg, out)
+    resumed = read_state(resume, cfg, state.num_processes) if resume else None
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=cfg.mixed_precision,  # None: the accelerate config's choice, else "no"
@@ -81,36 +90,81 @@ def train(cfg: TrainConfig) -> dict:
         model, optimizer, train_loader, eval_loader, scheduler
     )
     loss_fn = F.cross_entropy if data.task == "classification" else F.mse_loss
+
+    # Where the run starts: step 0, or a checkpoint's step with its RNGs, optimizer and schedule.
+    step, skipped, evals, best = 0, 0, [], None
+    loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
+    if resumed:
+        load_checkpoint(accelerator, resume)
+        step, skipped, evals, best = resumed["step"], resumed["skipped_steps"], resumed["evals"], resumed["best"]
+        loss_sum.fill_(resumed["loss_sums"][accelerator.process_index])
+        loss_count = resumed["loss_count"]
     # Startup succeeded: only now does the run write anything, so a failed start leaves nothing behind.
-    files = RunFiles(out, enabled=accelerator.is_main_process)
+    files = RunFiles(out, enabled=accelerator.is_main_process, resumed_step=step if resumed else None)
     files.write_config(cfg)
+    checkpoints = Checkpoints(accelerator, out / "checkpoints", cfg.keep_last)
+    checkpoints.last = resume
     if cfg.log_with:
         accelerator.init_trackers("acc_trainer", config=_tracker_config(cfg))
+
+    def training_state() -> dict:
+        # Everything besides save_state's files that the rest of the run depends on (all processes
+        # call this). The position in the data is the step: every epoch has exactly `per_epoch` steps.
+        return {"step": step, "skipped_steps": skipped, "evals": evals, "best": best, "world_size": world,
+                "loss_sums": accelerator.gather(loss_sum[None]).tolist(),  # each process's, by rank
+                "loss_count": loss_count, "config": cfg.to_dict()}
+
+    def save_checkpoint(name: str | None = None) -> None:
+        bad = nonfinite.first_anywhere(accelerator)
+        if bad is not None:  # never checkpoint weights a NaN/inf has reached
+            raise TrainingStopped(_nonfinite_message(bad, checkpoints.last), code=1)
+        checkpoints.save(training_state(), name)
+
+    def stop_if_signalled() -> None:
+        stop = signals.agreed()  # the same answer on every process
+        if stop:
+            if checkpoints.last is None or checkpoints.last.name != f"step-{step:08d}":
+                save_checkpoint()
+            raise TrainingStopped(
+                f"stopped by {signal.Signals(stop).name} at step {step}; checkpoint saved in {checkpoints.last}; "
+                f"continue with --resume auto --output-dir {out}", code=128 + stop)
 
     progress = Progress(cfg.progress, accelerator.is_main_process, total_steps, epochs, per_epoch)
     progress.print(
         f"[bold]acc_trainer[/] {cfg.model} on {cfg.dataset}: {world} process(es) "
         f"({accelerator.distributed_type.value}, {accelerator.device.type}), precision {accelerator.mixed_precision}, "
-        f"global batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {cfg.batch_size // (world * cfg.grad_accum)}, {total_steps} steps"
+        f"global batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {cfg.batch_size // (world * cfg.grad_accum)}, "
+        f"{total_steps} steps" + (f", resuming at step {step} from {resume}" if resumed else "")
     )
 
-    step, logged_step, train_time, evals = 0, 0, 0.0, []
-    loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
+    nonfinite = NonFinite(accelerator.device)
+    logged_step, train_time = step, 0.0
     interval_start, data_wait = time.perf_counter(), 0.0
-    with progress:
-        for epoch in range(epochs):
+    with progress, StopSignals(accelerator) as signals:
+        # A checkpoint at the very end (after the final evaluation) leaves nothing to train.
+        for epoch in range(step // per_epoch if step < total_steps else epochs, epochs):
             model.train()
-            progress.new_epoch(epoch)
+            progress.new_epoch(epoch, done=step - epoch * per_epoch)
+            # The epoch seeds the shuffle; a resumed epoch skips the micro-batches it has already seen.
+            train_loader.set_epoch(epoch)
+            seen = (step - epoch * per_epoch) * cfg.grad_accum
+            batches = accelerator.skip_first_batches(train_loader, seen) if seen else train_loader
+            batches.set_epoch(epoch)
             batch_ready = time.perf_counter()
-            for inputs, targets in train_loader:
+            for inputs, targets in batches:
                 data_wait += time.perf_counter() - batch_ready
                 with accelerator.accumulate(model):
                     loss = loss_fn(model(inputs), targets)
                     accelerator.backward(loss)
-                    if accelerator.sync_gradients and cfg.max_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    optimizer.step()
-                    scheduler.step()
+                    nonfinite.observe(loss)
+                    if accelerator.sync_gradients:
+                        if cfg.skip_nonfinite and nonfinite.in_step_anywhere(accelerator):
+                            skipped += 1  # no update from this step's gradients
+                        else:
+                            if cfg.max_grad_norm:
+                                accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                            optimizer.step()
+                            scheduler.step()
                     optimizer.zero_grad()
                 # Summed on the device; read back only every --log-every steps (no per-step host sync).
                 loss_sum += loss.detach()
@@ -119,10 +173,14 @@ def train(cfg: TrainConfig) -> dict:
                 if not accelerator.sync_gradients:
                     continue
                 step += 1
+                nonfinite.step_done(step)
                 progress.step()
                 if step % cfg.log_every == 0 or step == total_steps:
                     # Every rank's mean loss over the interval, gathered: the logged loss is their mean.
                     per_rank = accelerator.gather((loss_sum / loss_count)[None]).tolist()
+                    bad = nonfinite.first_anywhere(accelerator)
+                    if bad is not None and not cfg.skip_nonfinite:
+                        raise TrainingStopped(_nonfinite_message(bad, checkpoints.last), code=1)
                     elapsed = time.perf_counter() - interval_start
                     steps_done, logged_step = step - logged_step, step
                     record = {
@@ -144,8 +202,12 @@ def train(cfg: TrainConfig) -> dict:
                     loss_sum.zero_()
                     loss_count, data_wait = 0, 0.0
                     interval_start = time.perf_counter()
-                if step == total_steps:
+                # At an epoch's last step, checkpoints and stops wait for that epoch's evaluation.
+                if step == total_steps or step % per_epoch == 0:
                     break
+                if cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0:
+                    save_checkpoint()
+                stop_if_signalled()
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             eval_start = time.perf_counter()
             metrics = evaluate(accelerator, model, eval_loader, data.task)
@@ -154,8 +216,17 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.log_with:
                 accelerator.log({f"eval/{k}": v for k, v in metrics.items() if k != "samples"}, step=step)
             progress.print(f"epoch {epoch + 1}/{epochs}: " + _format_eval(metrics))
+            if cfg.save_best and _improves(cfg.save_best, metrics, best):
+                best = {"step": step, "metric": cfg.save_best, "value": metrics[cfg.save_best]}
+                save_checkpoint(BEST)
+            if cfg.checkpoint_epochs or (cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0):
+                save_checkpoint()
             interval_start += time.perf_counter() - eval_start  # evaluation is not training time
+            stop_if_signalled()
 
+    bad = nonfinite.first_anywhere(accelerator)
+    if bad is not None and not cfg.skip_nonfinite:
+        raise TrainingStopped(_nonfinite_message(bad, checkpoints.last), code=1)
     ranks_agree = ranks_agree and check_ranks_agree(accelerator, model, "final")
     accelerator.wait_for_everyone()
     accelerator.save_model(model, out)
@@ -171,14 +242,17 @@ def train(cfg: TrainConfig) -> dict:
         "grad_accum": cfg.grad_accum,
         "per_process_batch_size": cfg.batch_size // (world * cfg.grad_accum),
         "steps": step,
+        "skipped_steps": skipped,
         "epochs": epochs,
         "train_samples": step * cfg.batch_size,
         "eval": {k: v for k, v in final.items() if k not in ("samples", "step", "epoch")},
         "eval_samples": final["samples"],
         "evals": evals,
+        "best": best,
+        "resumed_from": str(resume) if resume else None,
         "wall_time_s": time.perf_counter() - started,
         "train_time_s": train_time,
-        "samples_per_s": step * cfg.batch_size / train_time if train_time else None,
+        "samples_per_s": (step - (resumed or {"step": 0})["step"]) * cfg.batch_size / train_time if train_time else None,
         "ranks_agree": ranks_agree,
         "output_dir": str(out),
         "versions": library_versions(),
@@ -208,7 +282,8 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) ->
     train_loader = DataLoader(
         data.train,
         batch_size=cfg.batch_size // cfg.grad_accum,
-        sampler=RandomSampler(data.train, num_samples=per_epoch * cfg.batch_size),
+        # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
+        sampler=RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size),
         drop_last=True,
         num_workers=cfg.num_workers,
         pin_memory=pin_memory,
@@ -273,14 +348,18 @@ def _check_topology(cfg: TrainConfig, state: PartialState) -> None:
 def _output_dir(cfg: TrainConfig) -> Path:
     if cfg.output_dir:
         out = Path(cfg.output_dir)
+    elif cfg.resume not in (None, "auto"):  # <run>/checkpoints/<checkpoint>
+        out = Path(cfg.resume).resolve().parent.parent
+    elif cfg.resume == "auto":
+        raise ConfigError("--resume auto needs the --output-dir of the run to continue")
     else:  # the main process names it, so that every process writes to the same folder
         name = [f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model}-{cfg.dataset}"]
         broadcast_object_list(name)
         out = Path(name[0])
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} exists and is not a folder")
-    if any((out / name).exists() for name in RunFiles.OUTPUTS):
-        raise ConfigError(f"--output-dir {out} already holds a run; choose a new folder")
+    if cfg.resume is None and any((out / name).exists() for name in RunFiles.OUTPUTS):
+        raise ConfigError(f"--output-dir {out} already holds a run; choose a new folder, or add --resume auto")
     PartialState().wait_for_everyone()  # every process has checked before the main one writes
     return out
 
@@ -305,6 +384,17 @@ def check_ranks_agree(accelerator: Accelerator, model, when: str) -> bool:
     if not bool((prints == prints[0]).all()):
         raise RuntimeError(f"the {when} parameters differ between processes")
     return True
+
+
+def _improves(metric: str, metrics: dict, best: dict | None) -> bool:
+    if best is None:
+        return True
+    return metrics[metric] > best["value"] if metric == "accuracy" else metrics[metric] < best["value"]
+
+
+def _nonfinite_message(step: int, last: Path | None) -> str:
+    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was saved before it"
+    return f"the loss became NaN or inf at step {step}; stopped all processes ({kept}; --skip-nonfinite skips such steps)"
 
 
 def _tracker_config(cfg: TrainConfig) -> dict:

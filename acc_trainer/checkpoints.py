@@ -1,0 +1,129 @@
+"""Checkpoints: full training state through `accelerator.save_state`, written so that a checkpoint
+that looks complete is complete, and read back only after checking it belongs to this run.
+
+A checkpoint is a folder `<output-dir>/checkpoints/step-<N>` holding what `save_state` writes (model,
+optimizer, scheduler, grad scaler, every process's RNG states) plus `trainer_state.json` (step,
+loss accumulators, evaluations so far, the options that define the run). It is written under a
+temporary name and renamed once every process has finished writing; a process killed mid-write
+leaves only a `.tmp-` folder, which is never picked up and is cleared by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from .config import ConfigError, TrainConfig
+
+STATE_FILE = "trainer_state.json"
+BEST = "best"
+NAME = re.compile(r"^step-(\d+)$")
+# Options that may change between an interrupted run and its resumption: they do not change what is
+# computed. Every other option must match the checkpoint's.
+MAY_CHANGE = {"output_dir", "resume", "data_dir", "num_workers", "log_every", "log_with", "progress",
+              "dist_timeout", "eval_batch_size", "checkpoint_every", "keep_last"}
+
+
+class Checkpoints:
+    """Saves checkpoints of one run; every process calls `save` (each writes its own RNG state)."""
+
+    def __init__(self, accelerator: Accelerator, folder: Path, keep_last: int | None):
+        self.accelerator, self.folder, self.keep_last = accelerator, folder, keep_last
+        self.last: Path | None = None
+
+    def save(self, state: dict, name: str | None = None) -> Path:
+        name = name or f"step-{state['step']:08d}"
+        final, tmp = self.folder / name, self.folder / f".tmp-{name}"
+        main = self.accelerator.is_main_process
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(tmp))
+        if main:
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+        self.accelerator.wait_for_everyone()  # every process's files are in place
+        if main:
+            if final.exists():
+                old = self.folder / f".old-{name}"
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(final)
+            self._prune()
+        self.accelerator.wait_for_everyone()
+        if name != BEST:
+            self.last = final
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_last:
+            for old in complete_checkpoints(self.folder)[: -self.keep_last]:
+                shutil.rmtree(old)
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Complete step checkpoints in `folder`, oldest first (temporary folders are never complete)."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
+    """The checkpoint `--resume` names: `auto` is the newest complete one in the run's folder."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "auto":
+        found = complete_checkpoints(out / "checkpoints")
+        if not found:
+            raise ConfigError(f"--resume auto: no complete checkpoint in {out / 'checkpoints'}")
+        return found[-1]
+    path = Path(cfg.resume)
+    if not path.is_dir():
+        raise ConfigError(f"--resume {path}: no such checkpoint folder")
+    return path
+
+
+def read_state(path: Path, cfg: TrainConfig, world: int) -> dict:
+    """The checkpoint's trainer state, after checking it is whole and belongs to this run."""
+    state_file = path / STATE_FILE
+    try:
+        state = json.loads(state_file.read_text())
+        saved = state["config"]
+        step = int(state["step"])
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"checkpoint {state_file} is corrupt ({type(e).__name__}: {e})") from None
+    mismatches = [
+        f"{key} {saved.get(key)!r} (this run: {value!r})"
+        for key, value in cfg.to_dict().items()
+        if key not in MAY_CHANGE and saved.get(key) != value
+    ]
+    if mismatches:
+        raise ConfigError(f"checkpoint {path} is from a different run: {'; '.join(mismatches)}")
+    if state["world_size"] != world:
+        raise ConfigError(
+            f"checkpoint {path} was written by {state['world_size']} processes; resume it with "
+            f"{state['world_size']}, not {world}"
+        )
+    required = ["model.safetensors", "optimizer.bin", "scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(world)]
+    missing = [name for name in required if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing")
+    state["step"] = step
+    return state
+
+
+def load(accelerator: Accelerator, path: Path) -> None:
+    """`accelerator.load_state`, with a damaged file reported as the user's problem, naming it."""
+    try:
+        accelerator.load_state(str(path))
+    except Exception as e:  # safetensors, pickle and torch each raise their own types for a bad file
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {text})") from None
