@@ -79,13 +79,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"acc-trainer: error{where}: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
-        from .stopping import TrainingStopped
+        from .stopping import TrainingStopped, lost_contact
 
-        if not isinstance(e, TrainingStopped):
-            raise
-        if not several or rank == "0":  # every process stops together, for the same reason
-            print(f"acc-trainer: {e}", file=sys.stderr)
-        sys.exit(e.code)
+        if isinstance(e, TrainingStopped):
+            if not several or rank == "0":  # every process stops together, for the same reason
+                print(f"acc-trainer: {e}", file=sys.stderr)
+            sys.exit(e.code)
+        if lost_contact(e):
+            first = str(e).strip().splitlines()[0]
+            print(f"acc-trainer: error (rank {rank}): lost contact with another process, which died, hung or lost "
+                  f"its network (waited at most --dist-timeout): {first}; continue from the last checkpoint with "
+                  f"--resume auto", file=sys.stderr)
+            sys.exit(1)
+        raise
 
 
 if __name__ == "__main__":

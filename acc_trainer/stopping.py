@@ -86,3 +86,18 @@ class NonFinite:
         """The earliest step with a NaN/inf loss on any process, or None."""
         steps = [s for s in accelerator.gather(self.first_step[None]).tolist() if s > 0]
         return min(steps) if steps else None
+
+
+def lost_contact(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another process died, hung or vanished.
+
+    gloo and NCCL report these as RuntimeError (or torch.distributed.DistError) with these words.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    text = str(error)
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError)
+        and any(words in text for words in ("Connection closed by peer", "Timed out", "timed out", "Connection reset",
+                                            "NCCL", "gloo"))
+    )

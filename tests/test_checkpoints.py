@@ -1,0 +1,279 @@
+"""Checkpoints that survive anything: exact resume, preemption, kill -9, bad checkpoints, runaway losses, hangs."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from acc_trainer.checkpoints import complete_checkpoints
+from acc_trainer.config import ConfigError
+from conftest import BIN, REPO, _env, check, free_port, launch, metrics, run_cli, summary
+
+INTERRUPT = REPO / "tests" / "interrupt.py"
+# 16 steps per epoch, 3 epochs; accumulation (2 micro-batches a step), a cosine schedule with warmup and a
+# checkpoint every 7 steps that is not a log step (so a resumed run must restore the loss accumulators).
+JOB = ["--model", "lenet", "--train-size", "1024", "--eval-size", "256", "--batch-size", "64", "--grad-accum", "2",
+       "--epochs", "3", "--optimizer", "adamw", "--scheduler", "cosine", "--warmup-steps", "5", "--log-every", "5",
+       "--checkpoint-every", "7"]
+TWO = ["--multi_gpu", "--num_processes", "2"]
+
+
+def interrupted(options, *args, world=1, job=JOB):
+    """Runs JOB + ARGS through tests/interrupt.py with its OPTIONS, on 1 or 2 processes."""
+    if world == 1:
+        return subprocess.run([sys.executable, INTERRUPT, *map(str, options), "--", *map(str, [*job, *args])],
+                              capture_output=True, text=True, env=_env(), timeout=300)
+    return launch(*options, "--", *job, *args, launcher_args=TWO, target=[INTERRUPT])
+
+
+def resumed(out, world=1):
+    args = [*JOB, "--output-dir", out, "--resume", "auto"]
+    return check(run_cli(*args) if world == 1 else launch(*args, launcher_args=TWO))
+
+
+def same_run(reference, run):
+    """Bit-identical final weights, and the same losses logged at the same steps on every rank."""
+    a, b = load_file(reference / "model.safetensors"), load_file(run / "model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    logged = [[(r["step"], r["loss_per_rank"]) for r in metrics(d) if "loss" in r] for d in (reference, run)]
+    assert logged[0] == logged[1] and len(logged[0]) == 10
+    evals = [[(r["step"], r["eval_loss"]) for r in metrics(d) if "eval_loss" in r] for d in (reference, run)]
+    assert evals[0] == evals[1] and len(evals[0]) == 3
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted runs, on 1 and 2 processes."""
+    folder = tmp_path_factory.mktemp("reference")
+    check(run_cli(*JOB, "--output-dir", folder / "1"))
+    check(launch(*JOB, "--output-dir", folder / "2", launcher_args=TWO))
+    return folder
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_interrupted_twice_and_resumed_is_the_same_run(tmp_path, reference, world):
+    out = tmp_path / "run"
+    # Preempted in the first epoch: SIGTERM in micro-batch 21 (step 11) reaches the last process only.
+    first = interrupted(["--signal", "TERM", "--at", 21, "--rank", world - 1], "--output-dir", out, world=world)
+    assert first.returncode == (143 if world == 1 else 1)  # the launcher reports any failed process as 1
+    assert (f"acc-trainer: stopped by SIGTERM at step 11; checkpoint saved in {out}/checkpoints/step-00000011; "
+            f"continue with --resume auto --output-dir {out}") in first.stderr
+    # Resumed, then interrupted again in the second epoch (SIGINT, Ctrl-C) at step 11 + 15 = 26.
+    second = interrupted(["--signal", "INT", "--at", 30], "--output-dir", out, "--resume", "auto", world=world)
+    assert "stopped by SIGINT at step 26" in second.stderr
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == [
+        "step-00000007", "step-00000011", "step-00000014", "step-00000021", "step-00000026"]
+    result = resumed(out, world)
+    assert "resuming at step 26" in result.stdout
+    same_run(reference / str(world), out)
+    assert summary(out)["resumed_from"] == str(out / "checkpoints" / "step-00000026")
+
+
+def test_kill_9_loses_only_the_steps_since_the_last_checkpoint(tmp_path, reference):
+    out = tmp_path / "run"
+    killed = interrupted(["--signal", "KILL", "--at", 40], "--output-dir", out)  # in step 20
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000007", "step-00000014"]
+    assert "resuming at step 14" in resumed(out).stdout
+    same_run(reference / "1", out)
+
+
+def test_a_checkpoint_killed_while_written_never_looks_usable(tmp_path, reference):
+    out = tmp_path / "run"
+    killed = interrupted(["--kill-in-save", 2], "--output-dir", out)  # inside the step-14 checkpoint
+    assert killed.returncode == -signal.SIGKILL
+    folders = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert folders == [".tmp-step-00000014", "step-00000007"]
+    assert (out / "checkpoints" / ".tmp-step-00000014" / "model.safetensors").exists()  # written, not complete
+    assert "resuming at step 7" in resumed(out).stdout
+    same_run(reference / "1", out)
+    assert not (out / "checkpoints" / ".tmp-step-00000014").exists()  # cleared by the next save
+
+
+def test_sigterm_to_the_launcher_saves_and_stops_every_process(tmp_path):
+    """A scheduler's preemption: SIGTERM to `accelerate launch`, which passes it to its processes."""
+    out = tmp_path / "run"
+    job = [a if a != "3" else "200" for a in JOB]  # long enough to be stopped
+    cmd = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), *TWO, "-m", "acc_trainer",
+           *job, "--output-dir", str(out), "--progress", "plain"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and process.poll() is None
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "acc-trainer: stopped by SIGTERM at step" in stderr
+    (last,) = complete_checkpoints(out / "checkpoints")[-1:]
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert last.name == f"step-{state['step']:08d}" and state["world_size"] == 2
+    assert (last / "random_states_0.pkl").exists() and (last / "random_states_1.pkl").exists()
+
+
+def test_a_nan_on_one_process_stops_all_of_them(tmp_path):
+    out = tmp_path / "run"
+    job = [*JOB[:-1], "1"]  # a checkpoint after every step
+    result = interrupted(["--poison", 100], "--output-dir", out, job=job, world=2)  # sample 100 is NaN: it lands on one process
+    assert result.returncode != 0
+    line = next(line for line in result.stderr.splitlines() if "the loss became NaN or inf" in line)
+    bad = int(line.split("at step ")[1].split(";")[0])
+    assert line == (f"acc-trainer: the loss became NaN or inf at step {bad}; stopped all processes (the last good "
+                    f"checkpoint is {out}/checkpoints/step-{bad - 1:08d}; --skip-nonfinite skips such steps)")
+    kept = complete_checkpoints(out / "checkpoints")
+    assert kept[-1].name == f"step-{bad - 1:08d}"  # nothing saved from the bad step on
+    weights = load_file(kept[-1] / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_skip_nonfinite_steps_are_skipped_and_counted(train_in_process, monkeypatch):
+    from acc_trainer import data
+
+    synthetic = data.DATASETS["synthetic"]
+
+    def poisoned(cfg):
+        made = synthetic(cfg)
+        made.train.tensors[0][500] = float("inf")  # in one step of the epoch
+        return made
+
+    monkeypatch.setitem(data.DATASETS, "synthetic", poisoned)
+    s = train_in_process(model="mlp", train_size=1024, batch_size=64, epochs=1, skip_nonfinite=True)
+    assert s["skipped_steps"] == 1 and s["steps"] == 16
+    weights = load_file(f"{s['output_dir']}/model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert s["eval"]["accuracy"] > 0.5
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A finished 1-process run with checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    check(run_cli("--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--epochs", "1",
+                  "--checkpoint-every", "2", "--output-dir", out))
+    return out
+
+
+def _damage(run, tmp_path, how):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    checkpoint = copy / "checkpoints" / "step-00000002"
+    if how == "truncated":
+        data = (checkpoint / "model.safetensors").read_bytes()
+        (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "corrupt state":
+        (checkpoint / "trainer_state.json").write_text('{"step": 2, "conf')
+    elif how == "missing file":
+        (checkpoint / "optimizer.bin").unlink()
+    elif how == "garbage optimizer":
+        (checkpoint / "optimizer.bin").write_bytes(b"not a torch file")
+    return copy, checkpoint
+
+
+@pytest.mark.parametrize("how,message", [
+    ("truncated", "checkpoint {cp} cannot be loaded (SafetensorError"),
+    ("corrupt state", "checkpoint {cp}/trainer_state.json is corrupt (JSONDecodeError"),
+    ("missing file", "checkpoint {cp} is incomplete: optimizer.bin missing"),
+    ("garbage optimizer", "checkpoint {cp} cannot be loaded ("),
+])
+def test_damaged_checkpoints_are_named_errors(saved_run, tmp_path, train_in_process, how, message):
+    run, checkpoint = _damage(saved_run, tmp_path, how)
+    with pytest.raises(ConfigError) as error:
+        train_in_process(model="mlp", train_size=256, eval_size=64, batch_size=64, epochs=1, checkpoint_every="2",
+                         output_dir=str(run), resume=str(checkpoint))
+    assert str(error.value).startswith(message.format(cp=checkpoint))
+
+
+def test_a_checkpoint_of_another_run_is_refused(saved_run, train_in_process):
+    checkpoint = saved_run / "checkpoints" / "step-00000002"
+    with pytest.raises(ConfigError, match=r"checkpoint .*step-00000002 is from a different run: model 'mlp' "
+                                          r"\(this run: 'lenet'\); batch_size 64 \(this run: 32\)"):
+        train_in_process(model="lenet", train_size=256, eval_size=64, batch_size=32, epochs=1, resume=str(checkpoint))
+
+
+def test_resume_errors_on_the_command_line(saved_run, tmp_path):
+    before = (saved_run / "metrics.jsonl").read_text()
+    for args, message in [
+        (["--resume", tmp_path / "nowhere"], f"--resume {tmp_path}/nowhere: no such checkpoint folder"),
+        (["--resume", "auto", "--output-dir", tmp_path], f"--resume auto: no complete checkpoint in {tmp_path}/checkpoints"),
+        (["--resume", "auto"], "--resume auto needs the --output-dir of the run to continue"),
+        (["--model", "lenet", "--resume", saved_run / "checkpoints" / "step-00000004"], "is from a different run: model"),
+    ]:
+        result = run_cli(*args, cwd=tmp_path)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert message in result.stderr
+    assert (saved_run / "metrics.jsonl").read_text() == before  # nothing written is lost or changed
+
+
+def test_a_hung_process_fails_the_others_within_the_timeout(tmp_path):
+    """Two machines (simulated on this one); machine 1's process stops answering (SIGSTOP)."""
+    port = free_port()
+    job = ["-m", "acc_trainer", "--model", "lenet", "--train-size", "4096", "--batch-size", "64", "--epochs", "100",
+           "--dist-timeout", "10", "--progress", "plain"]
+    machines = [subprocess.Popen(
+        [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
+         "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *job,
+         "--output-dir", str(tmp_path / f"m{rank}")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+        for rank in (0, 1)]
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "m0" / "metrics.jsonl").exists():
+            assert time.time() < deadline and machines[0].poll() is None
+            time.sleep(0.2)
+        worker = subprocess.run(["pgrep", "-f", f"output-dir {tmp_path}/m1"], capture_output=True, text=True)
+        for pid in worker.stdout.split():
+            subprocess.run(["kill", "-STOP", pid])
+        stopped = time.time()
+        _, stderr = machines[0].communicate(timeout=60)
+        waited = time.time() - stopped
+    finally:
+        import os
+
+        os.killpg(machines[1].pid, signal.SIGKILL)
+    assert machines[0].returncode != 0
+    assert waited < 10 + 20  # the timeout, plus start-up of the error path
+    assert "acc-trainer: error (rank 0): lost contact with another process" in stderr
+    assert "Timed out" in stderr
+
+
+def test_best_checkpoint_and_final_weights(train_in_process):
+    s = train_in_process(model="mlp", train_size=1024, eval_size=300, batch_size=64, epochs=3, save_best="accuracy",
+                         checkpoint_every="epoch", keep_last=1, optimizer="sgd", lr=0.05)
+    best = max(s["evals"], key=lambda e: e["accuracy"])
+    assert s["best"] == {"step": best["step"], "metric": "accuracy", "value": best["accuracy"]}
+    out = s["output_dir"]
+    state = json.loads(open(f"{out}/checkpoints/best/trainer_state.json").read())
+    assert state["step"] == best["step"]
+    assert [p.name for p in complete_checkpoints(__import__("pathlib").Path(out) / "checkpoints")] == ["step-00000048"]
+
+    # The final weights, in a freshly built model, reproduce the run's final evaluation exactly.
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from acc_trainer.config import make_config
+    from acc_trainer.data import build_data
+    from acc_trainer.models import build_model
+    from acc_trainer.train import build_loaders, dataloader_config, evaluate
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    cfg = make_config({"model": "mlp", "train_size": 1024, "eval_size": 300, "batch_size": 64})
+    data = build_data(cfg)
+    model = build_model("mlp", data)
+    model.load_state_dict(load_file(f"{out}/model.safetensors"))
+    accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cfg))
+    _, loader = build_loaders(cfg, data, 1, pin_memory=False)
+    model, loader = accelerator.prepare(model, loader)
+    metrics_again = evaluate(accelerator, model, loader, "classification")
+    assert metrics_again["accuracy"] == s["eval"]["accuracy"] and metrics_again["samples"] == 300
+    assert math.isclose(metrics_again["loss"], s["eval"]["loss"], rel_tol=1e-12)
