@@ -1,4 +1,5 @@
-"""The command line: `acc-trainer [options]` / `python -m acc_trainer [options]` trains.
+"""The command line: `acc-trainer [options]` / `python -m acc_trainer [options]` trains;
+`acc-trainer report RUN_DIR ...` compares runs; `acc-trainer bench ...` measures speed.
 
 Options come from the fields of `TrainConfig` (their help text is the documentation). Values are
 taken in this order, later winning: defaults, `--config FILE` (YAML), flags on the command line.
@@ -15,6 +16,11 @@ from dataclasses import MISSING, fields
 from .config import ConfigError, TrainConfig, load_yaml, make_config
 
 EXAMPLES = """\
+commands:
+  acc-trainer [options]                                train (the options below)
+  acc-trainer report RUN_DIR [RUN_DIR ...]             compare runs: a table and a figure (report --help)
+  acc-trainer bench [--processes 1,2] [options]        speed vs hand-written loops, 1 and N processes (bench --help)
+
 examples:
   acc-trainer                                          default job: LeNet on generated images, ~30 s on a laptop CPU
   acc-trainer --model linreg --dataset linear --optimizer sgd --lr 0.01 --batch-size 32 --epochs 10
@@ -70,6 +76,15 @@ def main(argv: list[str] | None = None) -> None:
     rank = os.environ.get("RANK")
     several = rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
     try:
+        argv = sys.argv[1:] if argv is None else argv
+        if argv[:1] == ["report"]:
+            from .report import main as report
+
+            return report(argv[1:])
+        if argv[:1] == ["bench"]:
+            from .bench import main as bench
+
+            return bench(argv[1:])
         cfg = parse_config(argv)
         from .train import train  # imported here so that --help and input errors answer at once
 
@@ -84,6 +99,12 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(e, TrainingStopped):
             if not several or rank == "0":  # every process stops together, for the same reason
                 print(f"acc-trainer: {e}", file=sys.stderr)
+            if several:
+                # The others wait for the main process (plots, message): a launcher that sees one
+                # process exit ends the rest at once.
+                import torch.distributed as dist
+
+                dist.barrier()
             sys.exit(e.code)
         if lost_contact(e):
             first = str(e).strip().splitlines()[0]

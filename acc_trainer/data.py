@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import BatchSampler, Dataset, TensorDataset
 
 from .config import ConfigError, TrainConfig
 
@@ -48,6 +48,41 @@ def torchvision():
     return tv
 
 
+class InMemory(TensorDataset):
+    """Tensors held in memory, served a batch at a time.
+
+    PyTorch's DataLoader asks a dataset with `__getitems__` for all indices of a batch at once: one
+    indexing operation per tensor instead of a `__getitem__` per sample and a collate that stacks them
+    (which costs more than the whole step of a small model). Use `InMemory.collate` as collate_fn.
+    """
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        index = torch.as_tensor(indices)
+        return [t[index] for t in self.tensors]
+
+    @staticmethod
+    def collate(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        return batch
+
+
+class IndexBatches(BatchSampler):
+    """Batches of indices as one tensor each, for `InMemory` datasets: the epoch's order is drawn once
+    from the sampler and sliced, instead of collected index by index for every batch.
+
+    Only with drop_last=True: Accelerate's sharding pads an incomplete last batch with `+`, which
+    would add index tensors instead of joining lists.
+    """
+
+    def __init__(self, sampler, batch_size: int):
+        super().__init__(sampler, batch_size, drop_last=True)
+
+    def __iter__(self):
+        order = torch.tensor(list(self.sampler))
+        for batch in order.split(self.batch_size):
+            if len(batch) == self.batch_size:
+                yield batch
+
+
 class Resized(Dataset):
     """Upscales the images of a tensor dataset per sample, as torchvision's Resize does for PIL images."""
 
@@ -63,7 +98,7 @@ class Resized(Dataset):
         return x[0], y
 
 
-def _maybe_resize(ds: TensorDataset, size: int, native: int) -> Dataset:
+def _maybe_resize(ds: InMemory, size: int, native: int) -> Dataset:
     return ds if size == native else Resized(ds, size)
 
 
@@ -76,10 +111,10 @@ def synthetic(cfg: TrainConfig) -> Data:
     coarse = torch.randn(NUM_SYNTHETIC_CLASSES, 3, 4, 4, generator=g)
     prototypes = F.interpolate(coarse, size=(32, 32), mode="bilinear", align_corners=False)
 
-    def make(n: int) -> TensorDataset:
+    def make(n: int) -> InMemory:
         labels = torch.randint(0, NUM_SYNTHETIC_CLASSES, (n,), generator=g)
         noise = torch.randn(n, 3, 32, 32, generator=g)
-        return TensorDataset(prototypes[labels] * 0.15 + noise, labels)
+        return InMemory(prototypes[labels] * 0.15 + noise, labels)
 
     size = _image_size(cfg)
     train, eval_ = make(cfg.train_size), make(cfg.eval_size)
@@ -91,9 +126,9 @@ def linear(cfg: TrainConfig) -> Data:
     """y = 2x + 3 + 0.1 * noise, the regression of the single-vs-DDP notebook."""
     g = torch.Generator().manual_seed(cfg.seed)
 
-    def make(n: int) -> TensorDataset:
+    def make(n: int) -> InMemory:
         x = torch.randn(n, 1, generator=g)
-        return TensorDataset(x, 2 * x + 3 + 0.1 * torch.randn(n, 1, generator=g))
+        return InMemory(x, 2 * x + 3 + 0.1 * torch.randn(n, 1, generator=g))
 
     return Data(make(cfg.train_size), make(cfg.eval_size), "regression", None, (1,))
 
@@ -103,8 +138,8 @@ def fake(cfg: TrainConfig) -> Data:
     g = torch.Generator().manual_seed(cfg.seed)
     size = _image_size(cfg)
 
-    def make(n: int) -> TensorDataset:
-        return TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g))
+    def make(n: int) -> InMemory:
+        return InMemory(torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g))
 
     return Data(make(cfg.train_size), make(cfg.eval_size), "classification", 10, (3, size, size))
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
+import resource
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,6 +41,20 @@ class RunFiles:
     def log(self, record: dict) -> None:
         if self.enabled:
             self._metrics.write(json.dumps(record) + "\n")
+
+    @contextmanager
+    def plots_if_stopped(self):
+        """A run stopped early (signal, NaN/inf) still gets plots of what it did."""
+        from .plots import plot_run
+        from .stopping import TrainingStopped
+
+        try:
+            yield
+        except TrainingStopped:
+            if self.enabled:
+                self._metrics.flush()
+                plot_run(self.folder)
+            raise
 
     def write_summary(self, summary: dict) -> None:
         if self.enabled:
@@ -77,3 +94,32 @@ def library_versions() -> dict:
     except Exception:  # reported as missing; the run did not need it
         versions["torchvision"] = None
     return versions
+
+
+def flops_per_sample(model: torch.nn.Module, sample: torch.Tensor) -> int:
+    """Forward + backward FLOPs of one training sample, counted once by PyTorch's FlopCounterMode
+    (on a copy, so the model's gradients are untouched)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    probe = copy.deepcopy(model)
+    with FlopCounterMode(display=False) as counter:
+        probe(sample[None]).float().sum().backward()
+    return counter.get_total_flops()
+
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, for model FLOPs utilisation.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def peak_memory_mb(device: torch.device | None = None) -> float:
+    """Peak memory of this process: the GPU allocator's on CUDA, else the resident set size."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

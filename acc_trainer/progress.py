@@ -6,14 +6,22 @@ Other processes get a `Progress` that shows nothing, so the loop never asks whic
 from __future__ import annotations
 
 from rich.console import Console
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def make_console() -> Console:
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:  # a log file: no reason to wrap tables and paths at 80 columns
+        console.width = 200
+    return console
 
 
 class Progress:
     """Shows epoch and step progress with the latest loss, LR and samples/s."""
 
     def __init__(self, mode: str, enabled: bool, total_steps: int, epochs: int, steps_per_epoch: int):
-        self.console = Console(highlight=False, soft_wrap=True)
+        self.console = make_console()
         self.enabled = enabled and mode != "none"
         self.live = self.enabled and (mode == "rich" or (mode == "auto" and self.console.is_terminal))
         self.total_steps, self.epochs, self.steps_per_epoch = total_steps, epochs, steps_per_epoch
@@ -63,3 +71,40 @@ class Progress:
             self._bars.update(self._run, stats=stats)
         elif self.enabled:
             self.console.print(f"epoch {epoch + 1}/{self.epochs}  step {step}/{self.total_steps}  {stats}")
+
+
+def summary_table(summary: dict, plots: list) -> Table:
+    """The end-of-run table: results, speed, topology, and where the files are."""
+    table = Table(title="acc_trainer: run summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    final = summary["eval"]
+    rows = [("run", f"{summary['model']} on {summary['dataset']}, {summary['steps']} steps, {summary['epochs']} epoch(s)")]
+    results = ([f"accuracy {final['accuracy']:.2%}"] if "accuracy" in final else []) + [f"loss {final['loss']:.4f}"]
+    rows.append(("final evaluation", ", ".join(results) + f" on {summary['eval_samples']} samples"))
+    evals = summary["evals"]
+    if "accuracy" in final:
+        best = max(evals, key=lambda e: e["accuracy"])
+        rows.append(("best evaluation", f"accuracy {best['accuracy']:.2%} at step {best['step']}"))
+    else:
+        best = min(evals, key=lambda e: e["loss"])
+        rows.append(("best evaluation", f"loss {best['loss']:.4f} at step {best['step']}"))
+    if summary.get("learned"):
+        rows.append(("learned", f"weight {summary['learned']['weight']:.4f}, bias {summary['learned']['bias']:.4f}"))
+    speed = f"{summary['samples_per_s']:,.0f} samples/s" if summary["samples_per_s"] else "-"
+    rows.append(("time", f"{summary['wall_time_s']:.1f} s wall, {summary['train_time_s']:.1f} s training, {speed}"))
+    if summary.get("data_time_share") is not None:
+        share = summary["data_time_share"]
+        rows.append(("step time", f"{share:.0%} waiting for data, {1 - share:.0%} compute"))
+    rows.append(("topology", f"{summary['world_size']} process(es), {summary['distributed_type']} on "
+                             f"{summary['device']}, precision {summary['mixed_precision']}"))
+    if summary.get("skipped_steps"):
+        rows.append(("skipped steps", f"{summary['skipped_steps']} (NaN/inf loss)"))
+    out = summary["output_dir"]
+    rows.append(("run folder", out))
+    rows.append(("weights", f"{out}/model.safetensors"))
+    if plots:
+        rows.append(("plots", f"{out}/plots/ ({', '.join(p.name for p in plots)})"))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

@@ -1,9 +1,9 @@
 """Stopping a run cleanly: preemption signals and runaway losses, decided by all processes together.
 
 Processes of a DDP run are at most one step apart, so if one stopped on its own the others would
-wait for it forever. Each step, the processes agree (one tiny all-reduce on the CPU) whether any of
-them was asked to stop; a NaN/inf loss is noted on the device without a host sync and checked at
-log steps and before every checkpoint, so that no checkpoint is written after it.
+wait for it forever. Each step, the processes agree (one tiny asynchronous all-reduce on the CPU)
+whether any of them was asked to stop. Losses stay on the device until log steps and checkpoints,
+where a NaN/inf is found (and named by its step) before anything is logged or saved.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class StopSignals:
 
     def __init__(self, accelerator: Accelerator):
         self.received: int | None = None
+        self._pending = None
         self._previous = {}
         self._world = accelerator.num_processes
         # On GPUs the default group is NCCL; the agreement goes through a CPU (gloo) group so that it
@@ -46,9 +47,11 @@ class StopSignals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._pending is not None and exc_type is None:
+            self._pending[0].wait()  # no collective left running when the group is destroyed
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
@@ -56,36 +59,68 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def agreed(self) -> int | None:
-        """The signal any process received (the same answer on all), or None."""
+        """The signal any process had received at the previous call (the same answer on all), or None.
+
+        Every process calls this once per step. The all-reduce is started here and read at the next
+        call, when it has long finished: the processes agree one step later, but no step waits for it.
+        """
         if self._world == 1:
             return self.received
+        answer = None
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            answer = int(flag.item()) or None
         flag = torch.tensor([self.received or 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag.item()) or None
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return answer
 
 
-class NonFinite:
-    """The first step whose loss was NaN or inf on this process, tracked on the device."""
+class IntervalLosses:
+    """The micro-batch losses of the current log interval, kept on the device.
 
-    def __init__(self, device: torch.device):
-        self.first_step = torch.zeros((), dtype=torch.long, device=device)
-        self.in_step = torch.zeros((), dtype=torch.bool, device=device)
+    One copy per micro-batch and no host sync: read at log steps and checkpoints, it gives each
+    process's mean loss, and the first step whose loss was NaN or inf (from where the interval began).
+    """
 
-    def observe(self, loss: torch.Tensor) -> None:
-        self.in_step |= ~torch.isfinite(loss.detach())
+    def __init__(self, log_every: int, grad_accum: int, device: torch.device):
+        self.values = torch.zeros(log_every * grad_accum, device=device)
+        self.positions = torch.arange(len(self.values), device=device)
+        self.grad_accum, self.count, self.first_step = grad_accum, 0, 1
 
-    def step_done(self, step: int) -> None:
-        self.first_step = torch.where((self.first_step == 0) & self.in_step, step, self.first_step)
-        self.in_step.zero_()
+    def add(self, loss: torch.Tensor) -> None:
+        self.values[self.count] = loss.detach()
+        self.count += 1
 
-    def in_step_anywhere(self, accelerator: Accelerator) -> bool:
-        """Whether any process saw a NaN/inf loss in the current step (a host sync: --skip-nonfinite only)."""
-        return bool(accelerator.reduce(self.in_step.float(), "sum").item() > 0)
+    def restart(self, step: int) -> None:
+        """A new interval, whose first step is step + 1."""
+        self.count, self.first_step = 0, step + 1
 
-    def first_anywhere(self, accelerator: Accelerator) -> int | None:
-        """The earliest step with a NaN/inf loss on any process, or None."""
-        steps = [s for s in accelerator.gather(self.first_step[None]).tolist() if s > 0]
-        return min(steps) if steps else None
+    def read(self, accelerator: Accelerator) -> tuple[list[float], int | None]:
+        """Every process's mean loss over the interval's finite losses (one gather), and the first
+        step with a NaN/inf loss on any process, or None."""
+        counted = self.positions < self.count
+        bad = counted & ~torch.isfinite(self.values)
+        finite = counted & ~bad
+        mean = torch.where(finite, self.values, 0).sum() / finite.sum().clamp(min=1)
+        first_bad = torch.where(bad.any(), bad.int().argmax(), -1)
+        rows = accelerator.gather(torch.stack([mean, first_bad.to(mean.dtype)])[None]).tolist()
+        bad = [int(b) for _, b in rows if b >= 0]
+        return [m for m, _ in rows], (self.first_step + min(bad) // self.grad_accum if bad else None)
+
+    def last_step_nonfinite(self, accelerator: Accelerator) -> bool:
+        """Whether the step just made had a NaN/inf loss on any process (a host sync: --skip-nonfinite only)."""
+        recent = self.values[self.count - self.grad_accum: self.count]
+        return bool(accelerator.reduce((~torch.isfinite(recent)).sum().float(), "sum").item() > 0)
+
+    def state(self, accelerator: Accelerator) -> dict:
+        """For a checkpoint: every process's losses so far in the interval (all processes call this)."""
+        return {"first_step": self.first_step, "count": self.count,
+                "values": accelerator.gather(self.values[None]).tolist()}
+
+    def load(self, state: dict, process_index: int) -> None:
+        self.first_step, self.count = state["first_step"], state["count"]
+        self.values.copy_(torch.tensor(state["values"][process_index]))
 
 
 def lost_contact(error: BaseException) -> bool:

@@ -17,6 +17,7 @@ optimizer steps whatever the topology.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from datetime import timedelta
@@ -31,12 +32,12 @@ from torch.utils.data import DataLoader, RandomSampler
 from .checkpoints import BEST, Checkpoints, find_resume, read_state
 from .checkpoints import load as load_checkpoint
 from .config import ConfigError, TrainConfig
-from .data import Data, build_data, steps_per_epoch
-from .metrics import RunFiles, fingerprint, library_versions
+from .data import Data, IndexBatches, InMemory, build_data, steps_per_epoch
+from .metrics import RunFiles, device_peak_flops, fingerprint, flops_per_sample, library_versions, peak_memory_mb
 from .models import build_model, sync_batchnorm
-from .optim import build_optimizer, build_scheduler
-from .progress import Progress
-from .stopping import NonFinite, StopSignals, TrainingStopped
+from .optim import build_optimizer, build_scheduler, cache_accelerate_lookups
+from .progress import Progress, summary_table
+from .stopping import IntervalLosses, StopSignals, TrainingStopped
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -46,6 +47,7 @@ def train(cfg: TrainConfig) -> dict:
     """
     cfg.validate()
     started = time.perf_counter()
+    cache_accelerate_lookups()
     # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
     cpu = cfg.cpu or not torch.cuda.is_available()
@@ -67,6 +69,7 @@ def train(cfg: TrainConfig) -> dict:
         kwargs_handlers=[timeout],
     )
     world = accelerator.num_processes
+    _check_engine(accelerator)
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
 
@@ -74,10 +77,13 @@ def train(cfg: TrainConfig) -> dict:
     set_seed(cfg.seed)
     data = _prepare_data(cfg, accelerator)
     model = build_model(cfg.model, data)
+    # Counted on the main process only, so before BatchNorm layers become collective (--sync-bn).
+    flops = flops_per_sample(model, data.train[0][0]) if accelerator.is_main_process else 0
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     # Compared before `prepare`, whose DDP wrapper would copy rank 0's weights over a seeding mistake.
     ranks_agree = check_ranks_agree(accelerator, model, "initial")
+    peak_flops = device_peak_flops(accelerator.device)
     per_epoch = steps_per_epoch(data, cfg)
     total_steps = min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
     epochs = math.ceil(total_steps / per_epoch)
@@ -93,12 +99,11 @@ def train(cfg: TrainConfig) -> dict:
 
     # Where the run starts: step 0, or a checkpoint's step with its RNGs, optimizer and schedule.
     step, skipped, evals, best = 0, 0, [], None
-    loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
+    losses = IntervalLosses(cfg.log_every, cfg.grad_accum, accelerator.device)
     if resumed:
         load_checkpoint(accelerator, resume)
         step, skipped, evals, best = resumed["step"], resumed["skipped_steps"], resumed["evals"], resumed["best"]
-        loss_sum.fill_(resumed["loss_sums"][accelerator.process_index])
-        loss_count = resumed["loss_count"]
+        losses.load(resumed["losses"], accelerator.process_index)
     # Startup succeeded: only now does the run write anything, so a failed start leaves nothing behind.
     files = RunFiles(out, enabled=accelerator.is_main_process, resumed_step=step if resumed else None)
     files.write_config(cfg)
@@ -111,12 +116,11 @@ def train(cfg: TrainConfig) -> dict:
         # Everything besides save_state's files that the rest of the run depends on (all processes
         # call this). The position in the data is the step: every epoch has exactly `per_epoch` steps.
         return {"step": step, "skipped_steps": skipped, "evals": evals, "best": best, "world_size": world,
-                "loss_sums": accelerator.gather(loss_sum[None]).tolist(),  # each process's, by rank
-                "loss_count": loss_count, "config": cfg.to_dict()}
+                "losses": losses.state(accelerator), "config": cfg.to_dict()}
 
     def save_checkpoint(name: str | None = None) -> None:
-        bad = nonfinite.first_anywhere(accelerator)
-        if bad is not None:  # never checkpoint weights a NaN/inf has reached
+        _, bad = losses.read(accelerator)
+        if bad is not None and not cfg.skip_nonfinite:  # never checkpoint weights a NaN/inf has reached
             raise TrainingStopped(_nonfinite_message(bad, checkpoints.last), code=1)
         checkpoints.save(training_state(), name)
 
@@ -137,16 +141,14 @@ def train(cfg: TrainConfig) -> dict:
         f"{total_steps} steps" + (f", resuming at step {step} from {resume}" if resumed else "")
     )
 
-    nonfinite = NonFinite(accelerator.device)
-    logged_step, train_time = step, 0.0
+    logged_step, train_time, data_time = step, 0.0, 0.0
     interval_start, data_wait = time.perf_counter(), 0.0
-    with progress, StopSignals(accelerator) as signals:
+    with progress, StopSignals(accelerator) as signals, files.plots_if_stopped():
         # A checkpoint at the very end (after the final evaluation) leaves nothing to train.
         for epoch in range(step // per_epoch if step < total_steps else epochs, epochs):
             model.train()
             progress.new_epoch(epoch, done=step - epoch * per_epoch)
             # The epoch seeds the shuffle; a resumed epoch skips the micro-batches it has already seen.
-            train_loader.set_epoch(epoch)
             seen = (step - epoch * per_epoch) * cfg.grad_accum
             batches = accelerator.skip_first_batches(train_loader, seen) if seen else train_loader
             batches.set_epoch(epoch)
@@ -156,9 +158,9 @@ def train(cfg: TrainConfig) -> dict:
                 with accelerator.accumulate(model):
                     loss = loss_fn(model(inputs), targets)
                     accelerator.backward(loss)
-                    nonfinite.observe(loss)
+                    losses.add(loss)  # on the device; read back only at log steps and checkpoints
                     if accelerator.sync_gradients:
-                        if cfg.skip_nonfinite and nonfinite.in_step_anywhere(accelerator):
+                        if cfg.skip_nonfinite and losses.last_step_nonfinite(accelerator):
                             skipped += 1  # no update from this step's gradients
                         else:
                             if cfg.max_grad_norm:
@@ -166,19 +168,14 @@ def train(cfg: TrainConfig) -> dict:
                             optimizer.step()
                             scheduler.step()
                     optimizer.zero_grad()
-                # Summed on the device; read back only every --log-every steps (no per-step host sync).
-                loss_sum += loss.detach()
-                loss_count += 1
                 batch_ready = time.perf_counter()
                 if not accelerator.sync_gradients:
                     continue
                 step += 1
-                nonfinite.step_done(step)
                 progress.step()
                 if step % cfg.log_every == 0 or step == total_steps:
                     # Every rank's mean loss over the interval, gathered: the logged loss is their mean.
-                    per_rank = accelerator.gather((loss_sum / loss_count)[None]).tolist()
-                    bad = nonfinite.first_anywhere(accelerator)
+                    per_rank, bad = losses.read(accelerator)
                     if bad is not None and not cfg.skip_nonfinite:
                         raise TrainingStopped(_nonfinite_message(bad, checkpoints.last), code=1)
                     elapsed = time.perf_counter() - interval_start
@@ -192,6 +189,7 @@ def train(cfg: TrainConfig) -> dict:
                         "samples_per_s": steps_done * cfg.batch_size / elapsed,
                         "step_time_s": elapsed / steps_done,
                         "data_time_s": data_wait / steps_done,
+                        "flops_per_s": flops * steps_done * cfg.batch_size / elapsed,
                     }
                     files.log(record)
                     if cfg.log_with:
@@ -199,8 +197,9 @@ def train(cfg: TrainConfig) -> dict:
                                          "train/samples_per_s": record["samples_per_s"]}, step=step)
                     progress.log(step, epoch, record["loss"], record["lr"], record["samples_per_s"])
                     train_time += elapsed
-                    loss_sum.zero_()
-                    loss_count, data_wait = 0, 0.0
+                    data_time += data_wait
+                    losses.restart(step)
+                    data_wait = 0.0
                     interval_start = time.perf_counter()
                 # At an epoch's last step, checkpoints and stops wait for that epoch's evaluation.
                 if step == total_steps or step % per_epoch == 0:
@@ -224,9 +223,6 @@ def train(cfg: TrainConfig) -> dict:
             interval_start += time.perf_counter() - eval_start  # evaluation is not training time
             stop_if_signalled()
 
-    bad = nonfinite.first_anywhere(accelerator)
-    if bad is not None and not cfg.skip_nonfinite:
-        raise TrainingStopped(_nonfinite_message(bad, checkpoints.last), code=1)
     ranks_agree = ranks_agree and check_ranks_agree(accelerator, model, "final")
     accelerator.wait_for_everyone()
     accelerator.save_model(model, out)
@@ -252,18 +248,33 @@ def train(cfg: TrainConfig) -> dict:
         "resumed_from": str(resume) if resume else None,
         "wall_time_s": time.perf_counter() - started,
         "train_time_s": train_time,
+        "data_time_share": data_time / train_time if train_time else None,
         "samples_per_s": (step - (resumed or {"step": 0})["step"]) * cfg.batch_size / train_time if train_time else None,
+        "model_flops_per_sample": flops,
+        "flops_per_s": None,
+        "mfu": None,
+        "peak_memory_mb": peak_memory_mb(accelerator.device),
         "ranks_agree": ranks_agree,
         "output_dir": str(out),
         "versions": library_versions(),
     }
+    if summary["samples_per_s"]:
+        summary["flops_per_s"] = flops * summary["samples_per_s"]
+        if peak_flops:  # against the bf16 peak of one device, as nanoGPT reports MFU
+            summary["mfu"] = summary["flops_per_s"] / (peak_flops * world)
     if data.task == "regression" and cfg.model == "linreg":
         layer = accelerator.unwrap_model(model).linear
         summary["learned"] = {"weight": layer.weight.item(), "bias": layer.bias.item()}
         progress.print(f"learned weight {layer.weight.item():.4f}, bias {layer.bias.item():.4f}")
     files.write_summary(summary)
+    plots = []
+    if accelerator.is_main_process:
+        from .plots import plot_run  # matplotlib: 0.4 s to import, needed only here
+
+        plots = plot_run(out)
     progress.print(f"[bold]final[/] {_format_eval(final)}; {summary['samples_per_s'] or 0:,.0f} samples/s; "
                    f"run files in {out}")
+    progress.print(summary_table(summary, plots))
     accelerator.end_training()
     return summary
 
@@ -279,19 +290,18 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) ->
     per_epoch = steps_per_epoch(data, cfg)
     # Exactly `per_epoch` whole global batches per epoch (the first per_epoch x batch_size indices of
     # each epoch's permutation): no partial step and no partial accumulation on any topology.
-    train_loader = DataLoader(
-        data.train,
-        batch_size=cfg.batch_size // cfg.grad_accum,
-        # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
-        sampler=RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size),
-        drop_last=True,
-        num_workers=cfg.num_workers,
-        pin_memory=pin_memory,
-        persistent_workers=cfg.num_workers > 0,
-    )
+    # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
+    sampler = RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size)
+    micro_batch = cfg.batch_size // cfg.grad_accum
+    if isinstance(data.train, InMemory):  # whole batches at once, as index tensors
+        batching = {"batch_sampler": IndexBatches(sampler, micro_batch), "collate_fn": InMemory.collate}
+    else:
+        batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True}
+    train_loader = DataLoader(data.train, num_workers=cfg.num_workers, pin_memory=pin_memory,
+                              persistent_workers=cfg.num_workers > 0, **batching)
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
     eval_loader = DataLoader(data.eval, batch_size=per_process * world, shuffle=False, num_workers=cfg.num_workers,
-                             pin_memory=pin_memory)
+                             pin_memory=pin_memory, collate_fn=InMemory.collate if isinstance(data.eval, InMemory) else None)
     return train_loader, eval_loader
 
 
@@ -334,6 +344,16 @@ def _prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> Data:
     if error is not None:
         raise error
     return data
+
+
+def _check_engine(accelerator: Accelerator) -> None:
+    """Accelerate quietly trains plain DDP when FSDP was asked for on CPU processes; say so instead."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
+        raise ConfigError(
+            f"FSDP was requested (accelerate config) but Accelerate set up {accelerator.distributed_type.value} "
+            f"on {accelerator.device.type}: it enables FSDP for GPU processes only; use accelerate_configs/cpu_ddp.yaml "
+            "on a CPU"
+        )
 
 
 def _check_topology(cfg: TrainConfig, state: PartialState) -> None:
@@ -379,8 +399,16 @@ def _tracker(name: str | None) -> str | None:
 
 
 def check_ranks_agree(accelerator: Accelerator, model, when: str) -> bool:
-    """Compares the parameters of every process (checked, not assumed); a difference is a bug."""
-    prints = accelerator.gather(fingerprint(accelerator.unwrap_model(model)).to(accelerator.device)[None])
+    """Compares the parameters of every process (checked, not assumed); a difference is a bug.
+
+    Under FSDP or DeepSpeed each process holds a different shard once the model is prepared:
+    there, only the initial (unsharded) model is compared.
+    """
+    if when != "initial" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        return True
+    # Before `prepare` the model is plain; unwrapping it anyway would import torch._dynamo (~1 s).
+    plain = model if when == "initial" else accelerator.unwrap_model(model)
+    prints = accelerator.gather(fingerprint(plain).to(accelerator.device)[None])
     if not bool((prints == prints[0]).all()):
         raise RuntimeError(f"the {when} parameters differ between processes")
     return True

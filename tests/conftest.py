@@ -77,3 +77,29 @@ def train_in_process(tmp_path):
     yield run
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def main_in_process(capsys, tmp_path, monkeypatch):
+    """`acc-trainer ARGS` through acc_trainer.cli.main in this process: (exit code, stdout, stderr)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from acc_trainer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    yield run
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

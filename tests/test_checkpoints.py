@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -61,20 +62,24 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 2])
 def test_interrupted_twice_and_resumed_is_the_same_run(tmp_path, reference, world):
     out = tmp_path / "run"
+    # Several processes agree on a stop one step after the signal (the agreement never blocks a step).
+    lag = world - 1
     # Preempted in the first epoch: SIGTERM in micro-batch 21 (step 11) reaches the last process only.
     first = interrupted(["--signal", "TERM", "--at", 21, "--rank", world - 1], "--output-dir", out, world=world)
     assert first.returncode == (143 if world == 1 else 1)  # the launcher reports any failed process as 1
-    assert (f"acc-trainer: stopped by SIGTERM at step 11; checkpoint saved in {out}/checkpoints/step-00000011; "
+    stop = 11 + lag
+    assert (f"acc-trainer: stopped by SIGTERM at step {stop}; checkpoint saved in {out}/checkpoints/step-{stop:08d}; "
             f"continue with --resume auto --output-dir {out}") in first.stderr
-    # Resumed, then interrupted again in the second epoch (SIGINT, Ctrl-C) at step 11 + 15 = 26.
+    assert (out / "plots" / "loss.png").exists()  # a run stopped early still gets its plots
+    # Resumed, then interrupted again in the second epoch (SIGINT, Ctrl-C) 15 steps later.
     second = interrupted(["--signal", "INT", "--at", 30], "--output-dir", out, "--resume", "auto", world=world)
-    assert "stopped by SIGINT at step 26" in second.stderr
+    assert f"stopped by SIGINT at step {stop + 15 + lag}" in second.stderr
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == [
-        "step-00000007", "step-00000011", "step-00000014", "step-00000021", "step-00000026"]
+        f"step-{s:08d}" for s in (7, stop, 14, 21, stop + 15 + lag)]
     result = resumed(out, world)
-    assert "resuming at step 26" in result.stdout
+    assert f"resuming at step {stop + 15 + lag}" in result.stdout
     same_run(reference / str(world), out)
-    assert summary(out)["resumed_from"] == str(out / "checkpoints" / "step-00000026")
+    assert summary(out)["resumed_from"] == str(out / "checkpoints" / f"step-{stop + 15 + lag:08d}")
 
 
 def test_kill_9_loses_only_the_steps_since_the_last_checkpoint(tmp_path, reference):
@@ -121,7 +126,9 @@ def test_sigterm_to_the_launcher_saves_and_stops_every_process(tmp_path):
 
 def test_a_nan_on_one_process_stops_all_of_them(tmp_path):
     out = tmp_path / "run"
-    job = [*JOB[:-1], "1"]  # a checkpoint after every step
+    # A checkpoint after every step and no log step in the run: only the check made before every
+    # checkpoint stands between the NaN and a saved checkpoint.
+    job = [*JOB[:-1], "1", "--log-every", "1000"]
     result = interrupted(["--poison", 100], "--output-dir", out, job=job, world=2)  # sample 100 is NaN: it lands on one process
     assert result.returncode != 0
     line = next(line for line in result.stderr.splitlines() if "the loss became NaN or inf" in line)
@@ -200,7 +207,7 @@ def test_a_checkpoint_of_another_run_is_refused(saved_run, train_in_process):
         train_in_process(model="lenet", train_size=256, eval_size=64, batch_size=32, epochs=1, resume=str(checkpoint))
 
 
-def test_resume_errors_on_the_command_line(saved_run, tmp_path):
+def test_resume_errors_on_the_command_line(saved_run, tmp_path, main_in_process):
     before = (saved_run / "metrics.jsonl").read_text()
     for args, message in [
         (["--resume", tmp_path / "nowhere"], f"--resume {tmp_path}/nowhere: no such checkpoint folder"),
@@ -208,40 +215,47 @@ def test_resume_errors_on_the_command_line(saved_run, tmp_path):
         (["--resume", "auto"], "--resume auto needs the --output-dir of the run to continue"),
         (["--model", "lenet", "--resume", saved_run / "checkpoints" / "step-00000004"], "is from a different run: model"),
     ]:
-        result = run_cli(*args, cwd=tmp_path)
-        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-        assert message in result.stderr
+        code, _, stderr = main_in_process(*args)
+        assert code == 2 and stderr.count("\n") == 1, stderr
+        assert message in stderr
     assert (saved_run / "metrics.jsonl").read_text() == before  # nothing written is lost or changed
+    # And as the shell sees it: exit code 2, one line.
+    result = run_cli("--resume", tmp_path / "nowhere", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr == f"acc-trainer: error: --resume {tmp_path}/nowhere: no such checkpoint folder\n"
 
 
 def test_a_hung_process_fails_the_others_within_the_timeout(tmp_path):
     """Two machines (simulated on this one); machine 1's process stops answering (SIGSTOP)."""
     port = free_port()
     job = ["-m", "acc_trainer", "--model", "lenet", "--train-size", "4096", "--batch-size", "64", "--epochs", "100",
-           "--dist-timeout", "10", "--progress", "plain"]
+           "--dist-timeout", "5", "--progress", "plain"]
     machines = [subprocess.Popen(
         [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
          "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *job,
          "--output-dir", str(tmp_path / f"m{rank}")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
         for rank in (0, 1)]
+    stopped_pids = []
     try:
         deadline = time.time() + 120
         while not (tmp_path / "m0" / "metrics.jsonl").exists():
             assert time.time() < deadline and machines[0].poll() is None
             time.sleep(0.2)
         worker = subprocess.run(["pgrep", "-f", f"output-dir {tmp_path}/m1"], capture_output=True, text=True)
-        for pid in worker.stdout.split():
-            subprocess.run(["kill", "-STOP", pid])
+        stopped_pids = [int(pid) for pid in worker.stdout.split()]
+        assert stopped_pids
+        for pid in stopped_pids:
+            os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
         _, stderr = machines[0].communicate(timeout=60)
         waited = time.time() - stopped
     finally:
-        import os
-
+        # torchrun starts its workers in their own sessions: the stopped one is killed by its pid.
+        for pid in stopped_pids:
+            os.kill(pid, signal.SIGKILL)
         os.killpg(machines[1].pid, signal.SIGKILL)
     assert machines[0].returncode != 0
-    assert waited < 10 + 20  # the timeout, plus start-up of the error path
+    assert waited < 5 + 15  # the timeout, plus the error path
     assert "acc-trainer: error (rank 0): lost contact with another process" in stderr
     assert "Timed out" in stderr
 

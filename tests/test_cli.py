@@ -103,23 +103,35 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, message):
+def _bad_input_files(tmp_path: Path) -> Path:
     (tmp_path / "broken.yaml").write_text("model: [lenet\n")
     (tmp_path / "unknown.yaml").write_text("learning_rate: 0.1\n")
     (tmp_path / "wrongtype.yaml").write_text("epochs: three\n")
-    earlier = _existing_run(tmp_path)
+    return _existing_run(tmp_path)
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, main_in_process, args, message):
+    earlier = _bad_input_files(tmp_path)
     args = [a.format(tmp=tmp_path) for a in args]
-    result = run_cli(*args, "--max-steps", "2", cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("acc-trainer: error: ")
-    assert message.format(tmp=tmp_path) in lines[0]
-    assert "Traceback" not in result.stdout + result.stderr
+    code, _, stderr = main_in_process(*args, "--max-steps", "2")
+    assert code == 2, stderr
+    assert stderr.count("\n") == 1 and stderr.startswith("acc-trainer: error: "), stderr
+    assert message.format(tmp=tmp_path) in stderr
     # Nothing already written is touched, and a failed start leaves no half-made run behind.
     assert (earlier / "model.safetensors").read_bytes() == b"weights of an earlier run"
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args", [["--model", "transformer"], ["--config", "{tmp}/broken.yaml"],
+                                  ["--dataset", "cifar10", "--data-dir", "{tmp}/nocifar"]])
+def test_bad_input_from_the_shell_has_no_traceback(tmp_path, args):
+    """The same, as a user's shell sees it: a real process, its exit code and its whole stderr."""
+    _bad_input_files(tmp_path)
+    result = run_cli(*[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("acc-trainer: error: ")
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 def test_config_errors_are_one_type():

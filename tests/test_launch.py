@@ -15,11 +15,15 @@ EXPECTED_CONFIGS = {
     "multi_gpu_bf16.yaml": ("MULTI_GPU", 2, 1),
     "multi_gpu_fp16.yaml": ("MULTI_GPU", 2, 1),
     "multi_node.yaml": ("MULTI_GPU", 4, 2),
+    "fsdp.yaml": ("FSDP", 2, 1),
+    "deepspeed.yaml": ("DEEPSPEED", 2, 1),
 }
 
 
 def test_every_shipped_config_loads_with_accelerates_loader():
     assert {p.name for p in CONFIGS.glob("*.yaml")} == set(EXPECTED_CONFIGS)
+    assert load_config_from_file(str(CONFIGS / "fsdp.yaml")).fsdp_config["fsdp_version"] == 2
+    assert load_config_from_file(str(CONFIGS / "deepspeed.yaml")).deepspeed_config["zero_stage"] == 2
     for name, (kind, processes, machines) in EXPECTED_CONFIGS.items():
         config = load_config_from_file(str(CONFIGS / name))
         assert (config.distributed_type.value, config.num_processes, config.num_machines) == (kind, processes, machines)

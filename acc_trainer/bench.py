@@ -1,0 +1,235 @@
+"""`acc-trainer bench`: the single-vs-DDP scaling experiment, with the hand-written loops beside it.
+
+Each variant (acc_trainer or a baseline loop, on 1 or N processes) trains the same workload for the
+same number of steps with the same global batch, each in its own launch, and reports its own speed
+measured over its training steps (start-up and evaluation excluded). Variants run in rotating order
+within each repeat, so that a slow minute on a shared machine does not favour one of them; the
+table and figures use the median over repeats.
+
+    acc-trainer bench --model lenet --dataset fake --batch-size 128 --processes 1,2 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .cli import parse_config
+from .config import ConfigError, TrainConfig
+from .progress import make_console
+
+BASELINES = ("raw", "raw-ddp", "dp")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="acc-trainer bench",
+        description="Measure acc_trainer against hand-written loops on 1 and N processes. Any training option "
+                    "(--model, --dataset, --batch-size, --mixed-precision, ...) sets the workload.",
+    )
+    parser.add_argument("--processes", default="1,2", help="process counts to run, e.g. 1,2 (default: 1,2)")
+    parser.add_argument("--baselines", default="raw,raw-ddp,dp",
+                        help="raw (1 process), raw-ddp (torchrun + DistributedSampler), dp (nn.DataParallel, "
+                             "2+ GPUs only) (default: raw,raw-ddp,dp)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default: 60)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant; the median counts (default: 5)")
+    parser.add_argument("--bench-dir", help="where bench.json, bench.md and the figures go "
+                                            "(default: runs/bench-<time>-<model>-<dataset>)")
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
+    args, rest = build_parser().parse_known_args(argv)
+    cfg = parse_config(rest)
+    try:
+        args.processes = sorted({int(p) for p in args.processes.split(",")})
+    except ValueError:
+        raise ConfigError(f"--processes takes numbers such as 1,2, not {args.processes!r}") from None
+    if not args.processes or min(args.processes) < 1:
+        raise ConfigError("--processes must be positive numbers")
+    args.baselines = [b for b in args.baselines.split(",") if b]
+    unknown = set(args.baselines) - set(BASELINES)
+    if unknown:
+        raise ConfigError(f"unknown baseline {sorted(unknown)[0]!r}; choose from {', '.join(BASELINES)}")
+    if args.steps <= 0 or args.repeats <= 0:
+        raise ConfigError("--steps and --repeats must be positive")
+    for n in args.processes:
+        if cfg.batch_size % (n * cfg.grad_accum):
+            raise ConfigError(f"--batch-size {cfg.batch_size} does not split over {n} processes x {cfg.grad_accum}")
+    return args, cfg
+
+
+def variants(args, gpus: int) -> list[tuple[str, int]]:
+    """(implementation, processes) pairs to run; DataParallel needs 2+ GPUs in one process."""
+    out = []
+    for n in args.processes:
+        out.append(("acc_trainer", n))
+        if n == 1 and "raw" in args.baselines:
+            out.append(("raw", 1))
+        if n > 1 and "raw-ddp" in args.baselines:
+            out.append(("raw-ddp", n))
+        if n > 1 and "dp" in args.baselines and gpus >= n:
+            out.append(("dp", n))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _options(cfg: TrainConfig) -> list[str]:
+    """TrainConfig -> command-line flags (the ones that differ from the defaults)."""
+    flags = []
+    for key, value in cfg.to_dict().items():
+        if value == getattr(TrainConfig, key, None) or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder: Path) -> dict:
+    """One launch of one variant; returns its measured speed."""
+    python = [sys.executable]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if kind == "acc_trainer":
+        run_dir = folder / f"acc_trainer-{processes}p-{time.time_ns()}"
+        args = ["-m", "acc_trainer", *_options(cfg), "--max-steps", str(steps), "--output-dir", str(run_dir),
+                "--progress", "none"]
+        if processes == 1:
+            cmd = python + args
+        else:
+            cmd = python + ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+                            "--main_process_port", str(_free_port()), *args]
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise RuntimeError(f"acc_trainer on {processes} process(es) failed:\n{result.stderr[-3000:]}")
+        s = json.loads((run_dir / "summary.json").read_text())
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in records if "loss" in r]
+        steps_logged = [r["step"] - p["step"] for p, r in zip([{"step": 0}] + train, train)]
+        data_s = sum(r["data_time_s"] * n for r, n in zip(train, steps_logged)) / s["steps"]
+        return {"samples_per_s": s["samples_per_s"], "time_s": s["train_time_s"],
+                "step_time_s": s["train_time_s"] / s["steps"], "data_time_s": data_s,
+                "peak_memory_mb": s["peak_memory_mb"]}
+    config = json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None})
+    args = ["-m", "acc_trainer.baselines", "--loop", kind, "--steps", str(steps), "--config", config]
+    if kind == "raw-ddp":
+        cmd = python + ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+                        str(_free_port()), *args]
+    else:
+        cmd = python + args
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("BASELINE ")), None)
+    if result.returncode != 0 or line is None:
+        raise RuntimeError(f"baseline {kind} on {processes} process(es) failed:\n{result.stderr[-3000:]}")
+    r = json.loads(line[len("BASELINE "):])
+    return {k: r[k] for k in ("samples_per_s", "time_s", "step_time_s", "data_time_s", "peak_memory_mb")}
+
+
+def summarise(runs: dict[str, list[dict]], names: list[tuple[str, int]]) -> list[dict]:
+    """Median over repeats per variant, with speed-ups against each implementation's 1-process run."""
+    rows = []
+    for kind, n in names:
+        measured = runs[f"{kind}@{n}"]
+        row = {"implementation": kind, "processes": n, "repeats": len(measured)}
+        for key in ("samples_per_s", "time_s", "step_time_s", "data_time_s"):
+            row[key] = statistics.median(m[key] for m in measured)
+        row["samples_per_s_all"] = [m["samples_per_s"] for m in measured]
+        row["peak_memory_mb"] = max(m["peak_memory_mb"] for m in measured)
+        row["compute_time_s"] = row["step_time_s"] - row["data_time_s"]
+        rows.append(row)
+    by = {(r["implementation"], r["processes"]): r for r in rows}
+    for r in rows:
+        single = by.get(("acc_trainer", 1) if r["implementation"] == "acc_trainer" else ("raw", 1))
+        r["speedup"] = r["samples_per_s"] / single["samples_per_s"] if single else None
+        r["efficiency"] = r["speedup"] / r["processes"] if r["speedup"] else None
+        baseline = by.get(("raw", 1) if r["processes"] == 1 else ("raw-ddp", r["processes"]))
+        r["vs_baseline"] = (r["samples_per_s"] / baseline["samples_per_s"]
+                            if baseline and r["implementation"] == "acc_trainer" else None)
+    return rows
+
+
+def markdown(rows: list[dict], cfg: TrainConfig, args, machine: str) -> str:
+    lines = [
+        f"# acc_trainer bench: {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, {args.steps} steps",
+        "",
+        f"Machine: {machine}. Median of {args.repeats} runs per variant, run in rotating order.",
+        "",
+        "| implementation | processes | train time (s) | samples/s | vs hand-written | speedup | scaling efficiency "
+        "| data ms/step | compute ms/step | peak memory/process (MB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        lines.append(
+            f"| {r['implementation']} | {r['processes']} | {r['time_s']:.3f} | {r['samples_per_s']:,.0f} | "
+            f"{fmt(r['vs_baseline'], '.3f')} | {fmt(r['speedup'], '.2f')} | {fmt(r['efficiency'], '.0%')} | "
+            f"{1000 * r['data_time_s']:.2f} | {1000 * r['compute_time_s']:.2f} | {r['peak_memory_mb']:,.0f} |")
+    lines += ["", "vs hand-written: acc_trainer's samples/s over the raw single-process loop (1 process) or the "
+              "raw torchrun + DistributedSampler loop (N processes). Speedup and efficiency: against the same "
+              "implementation on 1 process.", ""]
+    return "\n".join(lines)
+
+
+def machine_description() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"{os.cpu_count()} CPU cores, no GPU, torch {torch.__version__}"
+
+
+def main(argv: list[str]) -> None:
+    args, cfg = parse(argv)
+    import torch  # after the options are checked: a mistake is answered at once
+
+    console = make_console()
+    gpus = torch.cuda.device_count()
+    names = variants(args, gpus)
+    per_epoch = max(1, cfg.train_size // cfg.batch_size)
+    # Enough epochs for --steps; a small evaluation set (evaluation is not measured anyway).
+    cfg.epochs = math.ceil(args.steps / per_epoch)
+    cfg.eval_size = min(cfg.eval_size, cfg.batch_size)
+    folder = Path(args.bench_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model}-{cfg.dataset}")
+    folder.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]acc-trainer bench[/] {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, "
+                  f"{args.steps} steps, {args.repeats} repeats: {', '.join(f'{k}@{n}' for k, n in names)}")
+    if "dp" in args.baselines and gpus < 2:
+        console.print("dp (nn.DataParallel) needs 2+ GPUs: not run on this machine")
+    runs: dict[str, list[dict]] = {f"{k}@{n}": [] for k, n in names}
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[: repeat % len(names)]
+        for kind, n in order:
+            result = run_variant(kind, n, cfg, args.steps, folder / "runs")
+            runs[f"{kind}@{n}"].append(result)
+            console.print(f"  repeat {repeat + 1}/{args.repeats}  {kind:>11} x{n}: {result['samples_per_s']:>10,.0f} samples/s")
+    rows = summarise(runs, names)
+    machine = machine_description()
+    report = {"workload": cfg.to_dict(), "steps": args.steps, "repeats": args.repeats, "machine": machine,
+              "rows": rows, "runs": runs}
+    (folder / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (folder / "bench.md").write_text(markdown(rows, cfg, args, machine))
+    from .plots import plot_bench
+
+    figures = plot_bench(rows, folder, f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}")
+    console.print(markdown(rows, cfg, args, machine))
+    console.print(f"written: {folder / 'bench.json'}, {folder / 'bench.md'}, " + ", ".join(str(f) for f in figures))

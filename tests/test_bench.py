@@ -1,0 +1,42 @@
+"""A smoke test of `acc-trainer bench`: it runs every variant and writes its table and figures.
+
+The benchmark's numbers are not checked here (the machines are shared and noisy); the README's
+Performance section quotes a real run.
+"""
+
+from __future__ import annotations
+
+import json
+
+from conftest import check, run_cli
+from test_reports import assert_png
+
+
+def test_bench_runs_every_variant_and_writes_its_files(tmp_path):
+    out = tmp_path / "bench"
+    result = check(run_cli("bench", "--model", "mlp", "--dataset", "fake", "--batch-size", "32", "--train-size", "256",
+                           "--processes", "1,2", "--steps", "6", "--repeats", "1", "--bench-dir", out, cwd=tmp_path))
+    report = json.loads((out / "bench.json").read_text())
+    rows = {(r["implementation"], r["processes"]): r for r in report["rows"]}
+    assert set(rows) == {("acc_trainer", 1), ("raw", 1), ("acc_trainer", 2), ("raw-ddp", 2)}
+    for row in rows.values():
+        assert row["samples_per_s"] > 0 and 0 <= row["data_time_s"] <= row["step_time_s"]
+        assert row["peak_memory_mb"] > 0
+    two = rows[("acc_trainer", 2)]
+    assert two["speedup"] == two["samples_per_s"] / rows[("acc_trainer", 1)]["samples_per_s"]
+    assert two["vs_baseline"] == two["samples_per_s"] / rows[("raw-ddp", 2)]["samples_per_s"]
+    table = (out / "bench.md").read_text()
+    assert table.count("\n| acc_trainer |") == 2 and "| raw-ddp | 2 |" in table
+    assert "dp (nn.DataParallel) needs 2+ GPUs" in result.stdout
+    for figure in ("bench_performance.png", "bench_time_breakdown.png"):
+        assert_png(out / figure)
+
+
+def test_bench_input_errors(tmp_path):
+    for args, message in [(["--processes", "0"], "--processes must be positive numbers"),
+                          (["--baselines", "tensorflow"], "unknown baseline 'tensorflow'"),
+                          (["--processes", "3", "--batch-size", "128"], "--batch-size 128 does not split over 3")]:
+        result = run_cli("bench", *args, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("acc-trainer: error: ") and message in result.stderr
+        assert result.stderr.count("\n") == 1

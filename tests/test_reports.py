@@ -1,0 +1,96 @@
+"""What people look at: run plots, the run comparison report, TensorBoard, the end-of-run summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import yaml
+
+from conftest import check, run_cli, summary
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = {"loss.png", "eval.png", "lr.png", "throughput.png", "time_split.png"}
+
+
+def assert_png(path: Path, min_side: int = 300) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert min(height, width) >= min_side, (path, height, width)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two short runs that differ in their learning rate."""
+    folder = tmp_path_factory.mktemp("runs")
+    for name, lr in (("slow", "0.0003"), ("fast", "0.003")):
+        out = check(run_cli("--model", "mlp", "--epochs", "2", "--train-size", "1024", "--eval-size", "256",
+                            "--log-every", "2", "--lr", lr, "--output-dir", folder / name)).stdout
+        (folder / f"{name}.stdout").write_text(out)
+    return folder
+
+
+def test_every_run_plots_its_curves(two_runs):
+    run = two_runs / "fast"
+    assert {p.name for p in (run / "plots").iterdir()} == PLOTS
+    for png in (run / "plots").iterdir():
+        assert_png(png)
+
+
+def test_end_of_run_summary_table(two_runs):
+    out = (two_runs / "fast.stdout").read_text()
+    s = summary(two_runs / "fast")
+    assert "acc_trainer: run summary" in out
+    best = max(s["evals"], key=lambda e: e["accuracy"])
+    assert f"accuracy {best['accuracy']:.2%} at step {best['step']}" in out
+    assert f"{s['samples_per_s']:,.0f} samples/s" in out and "waiting for data" in out
+    assert "1 process(es), NO on cpu, precision no" in out
+    assert f"{two_runs / 'fast'}/model.safetensors" in out and "plots/" in out
+
+
+def test_report_compares_runs(two_runs, tmp_path):
+    figure = tmp_path / "compare.png"
+    result = check(run_cli("report", two_runs / "slow", two_runs / "fast", "--labels", "lr 3e-4", "lr 3e-3",
+                           "--output", figure, cwd=tmp_path))
+    for name, label in (("slow", "lr 3e-4"), ("fast", "lr 3e-3")):
+        s = summary(two_runs / name)
+        row = next(line for line in result.stdout.splitlines() if label in line)
+        assert f"{s['eval']['accuracy']:.2%}" in row and f"{s['eval']['loss']:.4f}" in row
+        assert f"{s['samples_per_s']:,.0f}" in row and "mlp / synthetic" in row
+    assert f"comparison figure: {figure}" in result.stdout
+    assert_png(figure)
+
+
+def test_report_of_a_folder_that_is_not_a_run(two_runs, tmp_path):
+    result = run_cli("report", two_runs / "fast", tmp_path, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"acc-trainer: error: {tmp_path} is not a run folder (it has no metrics.jsonl)"
+    assert not (tmp_path / "report.png").exists()
+
+
+def test_tensorboard_gets_the_scalars_and_the_config(train_in_process):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    s = train_in_process(model="mlp", train_size=512, eval_size=128, batch_size=64, epochs=2, log_every=2,
+                         log_with="tensorboard")
+    logs = Path(s["output_dir"]) / "logs" / "acc_trainer"
+    events = EventAccumulator(str(logs))
+    events.Reload()
+    assert {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8, 10, 12, 14, 16]
+    accuracy = [e.value for e in events.Scalars("eval/accuracy")]
+    assert accuracy == pytest.approx([e["accuracy"] for e in s["evals"]], rel=1e-6)
+    (hparams,) = logs.glob("*/hparams.yml")
+    assert yaml.safe_load(hparams.read_text())["model"] == "mlp"
+
+
+def test_a_tracker_that_is_not_installed(tmp_path):
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    available = {str(t) for t in get_available_trackers()}
+    missing = next(name for name in sorted(LOGGER_TYPE_TO_CLASS) if name not in available)
+    result = run_cli("--log-with", missing, "--output-dir", tmp_path / "run")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"acc-trainer: error: --log-with {missing}: the {missing} package is not installed"
+    assert not (tmp_path / "run").exists()
