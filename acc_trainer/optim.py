@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 
-import accelerate.optimizer
 import torch
 
 from .config import TrainConfig
@@ -40,34 +37,3 @@ def build_scheduler(cfg: TrainConfig, optimizer, lr: float, total_steps: int, st
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def cache_accelerate_lookups() -> None:
-    """Removes work Accelerate (1.15) repeats on every step, which costs a small model half its speed.
-
-    AcceleratedOptimizer.step asks `is_lomo_available()` twice: a search of sys.path for the
-    `lomo_optim` package. AcceleratedOptimizer.zero_grad calls `inspect.signature` on the optimizer's
-    zero_grad to see if it takes `set_to_none`. Neither answer can change while the process runs, so
-    each is computed once; Accelerate's own code path is otherwise unchanged.
-    """
-    lookup = getattr(accelerate.optimizer, "is_lomo_available", None)
-    if lookup is not None and not hasattr(lookup, "cache_info"):
-        accelerate.optimizer.is_lomo_available = functools.cache(lookup)
-    if getattr(accelerate.optimizer, "inspect", None) is inspect:
-        accelerate.optimizer.inspect = _CachedSignatures()
-
-
-class _CachedSignatures:
-    """The `inspect` module, with `signature` of a (bound) method computed once per function."""
-
-    def __getattr__(self, name):
-        return getattr(inspect, name)
-
-    @staticmethod
-    def signature(method):
-        return _signature(getattr(method, "__func__", method))
-
-
-@functools.lru_cache(maxsize=None)
-def _signature(function):
-    return inspect.signature(function)

@@ -1,8 +1,8 @@
 """Stopping a run cleanly: preemption signals and runaway losses, decided by all processes together.
 
 Processes of a DDP run are at most one step apart, so if one stopped on its own the others would
-wait for it forever. Each step, the processes agree (one tiny asynchronous all-reduce on the CPU)
-whether any of them was asked to stop. Losses stay on the device until log steps and checkpoints,
+wait for it forever. At every log step and epoch end, the processes agree (one tiny all-reduce on
+the CPU) whether any of them was asked to stop. Losses stay on the device until log steps and checkpoints,
 where a NaN/inf is found (and named by its step) before anything is logged or saved.
 """
 
@@ -33,7 +33,6 @@ class StopSignals:
 
     def __init__(self, accelerator: Accelerator):
         self.received: int | None = None
-        self._pending = None
         self._previous = {}
         self._world = accelerator.num_processes
         # On GPUs the default group is NCCL; the agreement goes through a CPU (gloo) group so that it
@@ -47,33 +46,28 @@ class StopSignals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if self._pending is not None and exc_type is None:
-            self._pending[0].wait()  # no collective left running when the group is destroyed
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def agreed(self) -> int | None:
-        """The signal any process had received at the previous call (the same answer on all), or None.
+    def agreed(self, check: bool) -> int | None:
+        """The signal any process has received (the same answer on all), or None.
 
-        Every process calls this once per step. The all-reduce is started here and read at the next
-        call, when it has long finished: the processes agree one step later, but no step waits for it.
+        One process answers at once. Several agree only when `check` is true (the loop passes its
+        log steps and epoch ends), so that no other step waits for an extra collective.
         """
         if self._world == 1:
             return self.received
-        answer = None
-        if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            answer = int(flag.item()) or None
+        if not check:
+            return None
         flag = torch.tensor([self.received or 0])
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
-        return answer
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item()) or None
 
 
 class IntervalLosses:

@@ -35,7 +35,8 @@ from .config import ConfigError, TrainConfig
 from .data import Data, IndexBatches, InMemory, build_data, steps_per_epoch
 from .metrics import RunFiles, device_peak_flops, fingerprint, flops_per_sample, library_versions, peak_memory_mb
 from .models import build_model, sync_batchnorm
-from .optim import build_optimizer, build_scheduler, cache_accelerate_lookups
+from . import speedups
+from .optim import build_optimizer, build_scheduler
 from .progress import Progress, summary_table
 from .stopping import IntervalLosses, StopSignals, TrainingStopped
 
@@ -47,7 +48,7 @@ def train(cfg: TrainConfig) -> dict:
     """
     cfg.validate()
     started = time.perf_counter()
-    cache_accelerate_lookups()
+    speedups.apply()
     # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
     cpu = cfg.cpu or not torch.cuda.is_available()
@@ -124,8 +125,8 @@ def train(cfg: TrainConfig) -> dict:
             raise TrainingStopped(_nonfinite_message(bad, checkpoints.last), code=1)
         checkpoints.save(training_state(), name)
 
-    def stop_if_signalled() -> None:
-        stop = signals.agreed()  # the same answer on every process
+    def stop_if_signalled(check: bool = True) -> None:
+        stop = signals.agreed(check)  # the same answer on every process
         if stop:
             if checkpoints.last is None or checkpoints.last.name != f"step-{step:08d}":
                 save_checkpoint()
@@ -142,8 +143,8 @@ def train(cfg: TrainConfig) -> dict:
     )
 
     logged_step, train_time, data_time = step, 0.0, 0.0
-    interval_start, data_wait = time.perf_counter(), 0.0
     with progress, StopSignals(accelerator) as signals, files.plots_if_stopped():
+        interval_start, data_wait = time.perf_counter(), 0.0
         # A checkpoint at the very end (after the final evaluation) leaves nothing to train.
         for epoch in range(step // per_epoch if step < total_steps else epochs, epochs):
             model.train()
@@ -206,7 +207,7 @@ def train(cfg: TrainConfig) -> dict:
                     break
                 if cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0:
                     save_checkpoint()
-                stop_if_signalled()
+                stop_if_signalled(check=step % cfg.log_every == 0)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             eval_start = time.perf_counter()
             metrics = evaluate(accelerator, model, eval_loader, data.task)

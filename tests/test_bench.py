@@ -40,3 +40,26 @@ def test_bench_input_errors(tmp_path):
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("acc-trainer: error: ") and message in result.stderr
         assert result.stderr.count("\n") == 1
+
+
+def test_flops_per_sample_is_what_pytorchs_flop_counter_counts():
+    """The trainer's cheap count (hooks on Linear/Conv layers) against torch.utils.flop_counter."""
+    import pytest
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from acc_trainer.data import Data
+    from acc_trainer.metrics import flops_per_sample
+    from acc_trainer.models import MODELS, build_model
+
+    cases = [(name, (3, 32, 32)) for name in MODELS if name != "linreg"] + [("resnet18", (3, 64, 64)),
+                                                                            ("linreg", (1,))]
+    for name, shape in cases:
+        task = "regression" if name == "linreg" else "classification"
+        model = build_model(name, Data(None, None, task, None if name == "linreg" else 10, shape))
+        sample = torch.randn(*shape)
+        counted = flops_per_sample(model, sample)
+        model.eval()
+        with FlopCounterMode(display=False) as reference:
+            model(sample[None]).sum().backward()
+        assert counted == reference.get_total_flops() > 0, name
