@@ -82,6 +82,9 @@ class TrainConfig:
     )
     cpu: bool = _opt(False, "train on the CPU even when a GPU is present")
     sync_bn: bool = _opt(False, "convert BatchNorm layers to SyncBatchNorm (statistics over all processes)")
+    compile: bool = _opt(False, "compile the model with torch.compile (inductor), through Accelerate")
+    channels_last: bool = _opt(False, "keep images and convolution weights in channels-last memory format")
+    tf32: bool = _opt(True, "on GPUs from Ampere on, let float32 matmuls and convolutions use TF32 tensor cores")
     dist_timeout: int = _opt(
         1800, "seconds a process waits for the others at a collective before failing with an error"
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs, PartialState
-from accelerate.utils import ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, broadcast_object_list, set_seed
 from torch.utils.data import DataLoader, RandomSampler
 
 from .checkpoints import BEST, Checkpoints, find_resume, read_state
@@ -60,9 +60,12 @@ def train(cfg: TrainConfig) -> dict:
     out = _output_dir(cfg)
     resume = find_resume(cfg, out)
     resumed = read_state(resume, cfg, state.num_processes) if resume else None
+    if torch.cuda.is_available():  # TF32 tensor cores for float32 matmuls and convolutions (Ampere on)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=cfg.mixed_precision,  # None: the accelerate config's choice, else "no"
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor") if cfg.compile else None,
         gradient_accumulation_steps=cfg.grad_accum,
         log_with=_tracker(cfg.log_with),
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
@@ -82,6 +85,8 @@ def train(cfg: TrainConfig) -> dict:
     flops = flops_per_sample(model, data.train[0][0]) if accelerator.is_main_process else 0
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     # Compared before `prepare`, whose DDP wrapper would copy rank 0's weights over a seeding mistake.
     ranks_agree = check_ranks_agree(accelerator, model, "initial")
     peak_flops = device_peak_flops(accelerator.device)
@@ -156,6 +161,8 @@ def train(cfg: TrainConfig) -> dict:
             batch_ready = time.perf_counter()
             for inputs, targets in batches:
                 data_wait += time.perf_counter() - batch_ready
+                if cfg.channels_last and inputs.dim() == 4:
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
                 with accelerator.accumulate(model):
                     loss = loss_fn(model(inputs), targets)
                     accelerator.backward(loss)
@@ -210,7 +217,7 @@ def train(cfg: TrainConfig) -> dict:
                 stop_if_signalled(check=step % cfg.log_every == 0)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             eval_start = time.perf_counter()
-            metrics = evaluate(accelerator, model, eval_loader, data.task)
+            metrics = evaluate(accelerator, model, eval_loader, data.task, cfg.channels_last)
             evals.append({"step": step, "epoch": epoch + 1, **metrics})
             files.log({"step": step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in metrics.items()}})
             if cfg.log_with:
@@ -283,7 +290,8 @@ def train(cfg: TrainConfig) -> dict:
 def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
     """Each process takes its slice of every loader batch (so loader batches are global), and the
     shuffle is reseeded from --seed every epoch, identically on every process and in every run."""
-    return DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=cfg.seed)
+    return DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=cfg.seed,
+                                   non_blocking=True)  # copies from pinned memory overlap the GPU's work
 
 
 def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) -> tuple[DataLoader, DataLoader]:
@@ -306,7 +314,7 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) ->
     return train_loader, eval_loader
 
 
-def evaluate(accelerator: Accelerator, model, loader, task: str) -> dict:
+def evaluate(accelerator: Accelerator, model, loader, task: str, channels_last: bool = False) -> dict:
     """Metrics over the whole evaluation set, each sample counted once whatever the number of processes.
 
     The loader pads its last batch so that every process gets the same number of samples;
@@ -318,6 +326,8 @@ def evaluate(accelerator: Accelerator, model, loader, task: str) -> dict:
     count = 0
     with torch.no_grad():
         for inputs, targets in loader:
+            if channels_last and inputs.dim() == 4:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
             outputs, targets = accelerator.gather_for_metrics((model(inputs), targets))
             outputs = outputs.float()
             if task == "classification":

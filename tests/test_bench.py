@@ -63,3 +63,28 @@ def test_flops_per_sample_is_what_pytorchs_flop_counter_counts():
         with FlopCounterMode(display=False) as reference:
             model(sample[None]).sum().backward()
         assert counted == reference.get_total_flops() > 0, name
+
+
+def test_channels_last_reaches_the_model_and_changes_no_result(train_in_process, monkeypatch):
+    import torch
+    from safetensors.torch import load_file
+
+    from acc_trainer.models import LeNet
+
+    seen = []
+    forward = LeNet.forward
+
+    def recording_forward(self, x):
+        if len(x) > 1:  # not the one-sample forward that counts FLOPs at start-up
+            seen.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+        return forward(self, x)
+
+    monkeypatch.setattr(LeNet, "forward", recording_forward)
+    job = {"model": "lenet", "train_size": 512, "eval_size": 64, "batch_size": 64, "max_steps": 6}
+    plain = train_in_process(**job)
+    assert not any(seen)
+    seen.clear()
+    fast = train_in_process(**job, channels_last=True)
+    assert seen and all(seen)  # every training and evaluation batch arrived channels-last
+    a, b = load_file(f"{plain['output_dir']}/model.safetensors"), load_file(f"{fast['output_dir']}/model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

@@ -130,3 +130,15 @@ def test_broken_torchvision_is_reported_not_a_crash(tmp_path):
     # Workloads that do not need torchvision still run.
     check(subprocess.run([sys.executable, "-m", "acc_trainer", "--model", "mlp", "--max-steps", "2", "--eval-size",
                           "64", "--output-dir", str(tmp_path / "ok")], env=env, capture_output=True, text=True))
+
+
+def test_resnet18_trains_on_upscaled_images(train_in_process):
+    """torchvision's ResNet-18 with num_classes set, on inputs upscaled as --image-size asks."""
+    s = train_in_process(model="resnet18", image_size=64, train_size=32, eval_size=8, batch_size=16, max_steps=2,
+                         optimizer="sgd", lr=0.01)
+    assert (s["steps"], s["eval_samples"]) == (2, 8)
+    from safetensors.torch import load_file
+
+    weights = load_file(f"{s['output_dir']}/model.safetensors")
+    assert weights["fc.weight"].shape == (10, 512)  # num_classes of the data, not ImageNet's 1000
+    assert s["model_flops_per_sample"] == 869038080  # ResNet-18 at 64x64, as torch's FlopCounterMode counts
