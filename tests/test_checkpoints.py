@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,7 +269,7 @@ def test_best_checkpoint_and_final_weights(train_in_process):
     out = s["output_dir"]
     state = json.loads(open(f"{out}/checkpoints/best/trainer_state.json").read())
     assert state["step"] == best["step"]
-    assert [p.name for p in complete_checkpoints(__import__("pathlib").Path(out) / "checkpoints")] == ["step-00000048"]
+    assert [p.name for p in complete_checkpoints(Path(out) / "checkpoints")] == ["step-00000048"]
 
     # The final weights, in a freshly built model, reproduce the run's final evaluation exactly.
     from accelerate import Accelerator

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
 import sys
 from pathlib import Path
 
@@ -113,9 +115,6 @@ def test_broken_torchvision_is_reported_not_a_crash(tmp_path):
     fake = tmp_path / "site" / "torchvision"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
-    import os
-    import subprocess
-
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     code = "import acc_trainer, acc_trainer.train, acc_trainer.cli; print('imported')"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == "imported\n"

@@ -94,3 +94,13 @@ def test_a_tracker_that_is_not_installed(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == f"acc-trainer: error: --log-with {missing}: the {missing} package is not installed"
     assert not (tmp_path / "run").exists()
+
+
+def test_live_progress_bars_on_the_main_process(train_in_process, capsys):
+    """--progress rich: a live bar (epoch, steps, loss, lr, samples/s) instead of plain lines."""
+    s = train_in_process(model="mlp", train_size=512, eval_size=64, batch_size=64, epochs=2, log_every=2,
+                         progress="rich")
+    out = capsys.readouterr().out
+    assert "epoch 2" in out and "16/16" in out and "samples/s" in out and "loss" in out
+    assert "step 16/16" not in out  # the plain per-log-step lines are not printed as well
+    assert s["steps"] == 16
