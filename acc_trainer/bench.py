@@ -22,20 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import parse_config
+from .cli import Parser, parse_config
 from .config import ConfigError, TrainConfig
 from .progress import make_console
 
 BASELINES = ("raw", "raw-ddp", "dp")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="acc-trainer bench",
         description="Measure acc_trainer against hand-written loops on 1 and N processes. Any training option "
                     "(--model, --dataset, --batch-size, --mixed-precision, ...) sets the workload.",

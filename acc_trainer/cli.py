@@ -30,13 +30,15 @@ examples:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not argparse's usage block
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake raised as ConfigError (one line, exit 2) instead of its usage block."""
+
+    def error(self, message: str):
         raise ConfigError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="acc-trainer",
         description="Train a model with one Accelerate loop on a CPU, one GPU, several GPUs or several machines.",
         epilog=EXAMPLES,

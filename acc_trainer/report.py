@@ -13,18 +13,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .cli import Parser
 from .config import ConfigError
 from .plots import plot_comparison, read_metrics
 from .progress import make_console
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="acc-trainer report", description="Compare runs: a table in the terminal and a figure.")
+    parser = Parser(prog="acc-trainer report", description="Compare runs: a table in the terminal and a figure.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (each holds metrics.jsonl)")
     parser.add_argument("--labels", nargs="+", metavar="LABEL", help="names for the runs in the table and figure")
     parser.add_argument("--output", default="report.png", metavar="FILE", help="comparison figure (default: report.png)")

@@ -1,8 +1,8 @@
 """Stopping a run cleanly: preemption signals and runaway losses, decided by all processes together.
 
 Processes of a DDP run are at most one step apart, so if one stopped on its own the others would
-wait for it forever. At every log step and epoch end, the processes agree (one tiny all-reduce on
-the CPU) whether any of them was asked to stop. Losses stay on the device until log steps and checkpoints,
+wait for it forever. At every log step and epoch end, where the loop reads its losses anyway, the
+processes agree (one tiny gather) whether any of them was asked to stop. Losses stay on the device until log steps and checkpoints,
 where a NaN/inf is found (and named by its step) before anything is logged or saved.
 """
 
@@ -34,12 +34,7 @@ class StopSignals:
     def __init__(self, accelerator: Accelerator):
         self.received: int | None = None
         self._previous = {}
-        self._world = accelerator.num_processes
-        # On GPUs the default group is NCCL; the agreement goes through a CPU (gloo) group so that it
-        # never waits for the device.
-        self._group = None
-        if self._world > 1 and accelerator.device.type != "cpu":
-            self._group = dist.new_group(backend="gloo")
+        self._accelerator = accelerator
 
     def __enter__(self) -> "StopSignals":
         for sig in self.SIGNALS:
@@ -61,13 +56,12 @@ class StopSignals:
         One process answers at once. Several agree only when `check` is true (the loop passes its
         log steps and epoch ends), so that no other step waits for an extra collective.
         """
-        if self._world == 1:
+        if self._accelerator.num_processes == 1:
             return self.received
         if not check:
             return None
-        flag = torch.tensor([self.received or 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag.item()) or None
+        flags = self._accelerator.gather(torch.tensor([self.received or 0], device=self._accelerator.device))
+        return max(flags.tolist()) or None
 
 
 class IntervalLosses:

@@ -148,6 +148,7 @@ def train(cfg: TrainConfig) -> dict:
     )
 
     logged_step, train_time, data_time = step, 0.0, 0.0
+    checkpoint_steps = cfg.checkpoint_steps  # parsed once, not in every step
     with progress, StopSignals(accelerator) as signals, files.plots_if_stopped():
         interval_start, data_wait = time.perf_counter(), 0.0
         # A checkpoint at the very end (after the final evaluation) leaves nothing to train.
@@ -212,7 +213,7 @@ def train(cfg: TrainConfig) -> dict:
                 # At an epoch's last step, checkpoints and stops wait for that epoch's evaluation.
                 if step == total_steps or step % per_epoch == 0:
                     break
-                if cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0:
+                if checkpoint_steps and step % checkpoint_steps == 0:
                     save_checkpoint()
                 stop_if_signalled(check=step % cfg.log_every == 0)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
@@ -226,7 +227,7 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.save_best and _improves(cfg.save_best, metrics, best):
                 best = {"step": step, "metric": cfg.save_best, "value": metrics[cfg.save_best]}
                 save_checkpoint(BEST)
-            if cfg.checkpoint_epochs or (cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0):
+            if cfg.checkpoint_epochs or (checkpoint_steps and step % checkpoint_steps == 0):
                 save_checkpoint()
             interval_start += time.perf_counter() - eval_start  # evaluation is not training time
             stop_if_signalled()

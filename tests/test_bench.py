@@ -44,7 +44,6 @@ def test_bench_input_errors(tmp_path):
 
 def test_flops_per_sample_is_what_pytorchs_flop_counter_counts():
     """The trainer's cheap count (hooks on Linear/Conv layers) against torch.utils.flop_counter."""
-    import pytest
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 

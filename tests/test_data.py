@@ -14,7 +14,7 @@ import torch
 
 from acc_trainer.config import ConfigError, TrainConfig
 from acc_trainer.data import build_data
-from conftest import check, run_cli
+from conftest import check
 
 
 def write_cifar(root: Path, name: str, train_per_file: int, test: int, classes: int) -> dict:
