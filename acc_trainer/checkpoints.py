@@ -11,6 +11,7 @@ leaves only a `.tmp-` folder, which is never picked up and is cleared by the nex
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -89,7 +90,15 @@ def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
     return path
 
 
-def read_state(path: Path, cfg: TrainConfig, world: int) -> dict:
+def engine_requested() -> str:
+    """The engine the accelerate config selects: FSDP and DeepSpeed write their own (sharded) files."""
+    for engine in ("FSDP", "DEEPSPEED"):
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
+            return engine
+    return "DDP"
+
+
+def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
     """The checkpoint's trainer state, after checking it is whole and belongs to this run."""
     state_file = path / STATE_FILE
     try:
@@ -112,8 +121,19 @@ def read_state(path: Path, cfg: TrainConfig, world: int) -> dict:
             f"checkpoint {path} was written by {state['world_size']} processes; resume it with "
             f"{state['world_size']}, not {world}"
         )
-    required = ["model.safetensors", "optimizer.bin", "scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(world)]
-    missing = [name for name in required if not (path / name).is_file()]
+    if state.get("engine", "DDP") != engine:
+        raise ConfigError(f"checkpoint {path} was written under {state.get('engine', 'DDP')}; resume it with the same "
+                          f"accelerate config (this run: {engine})")
+    names = {p.name for p in path.iterdir()}
+    required = ["scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(world)]
+    if engine == "DDP":
+        required += ["model.safetensors", "optimizer.bin"]
+    missing = [name for name in required if name not in names]
+    # FSDP and DeepSpeed name their files after the state-dict type; their loaders check the rest.
+    if engine != "DDP" and not any(name.startswith("pytorch_model") for name in names):
+        missing.append("the model's pytorch_model* files")
+    if engine == "FSDP" and not any(name.startswith("optimizer") for name in names):
+        missing.append("the optimizer's optimizer* files")
     if missing:
         raise ConfigError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing")
     state["step"] = step

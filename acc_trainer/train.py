@@ -16,6 +16,7 @@ optimizer steps whatever the topology.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import signal
@@ -26,10 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs, PartialState
-from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, broadcast_object_list, set_seed
+from accelerate.utils import (DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin, ProjectConfiguration,
+                               TorchDynamoPlugin, broadcast_object_list, set_seed)
 from torch.utils.data import DataLoader, RandomSampler
 
-from .checkpoints import BEST, Checkpoints, find_resume, read_state
+from .checkpoints import BEST, Checkpoints, engine_requested, find_resume, read_state
 from .checkpoints import load as load_checkpoint
 from .config import ConfigError, TrainConfig
 from .data import Data, IndexBatches, InMemory, build_data, steps_per_epoch
@@ -52,6 +54,9 @@ def train(cfg: TrainConfig) -> dict:
     # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
     cpu = cfg.cpu or not torch.cuda.is_available()
+    if engine_requested() == "DEEPSPEED":
+        _check_deepspeed(cfg)
+        cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
     # The process group comes first (Accelerate's PartialState), so that the main process can name
     # the run folder for everyone before the Accelerator, whose trackers write there, is created.
@@ -59,7 +64,7 @@ def train(cfg: TrainConfig) -> dict:
     _check_topology(cfg, state)
     out = _output_dir(cfg)
     resume = find_resume(cfg, out)
-    resumed = read_state(resume, cfg, state.num_processes) if resume else None
+    resumed = read_state(resume, cfg, state.num_processes, engine_requested()) if resume else None
     if torch.cuda.is_available():  # TF32 tensor cores for float32 matmuls and convolutions (Ampere on)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     accelerator = Accelerator(
@@ -71,9 +76,13 @@ def train(cfg: TrainConfig) -> dict:
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         dataloader_config=dataloader_config(cfg),
         kwargs_handlers=[timeout],
+        # --grad-accum and --max-grad-norm, not Accelerate's defaults ("auto" would clip at 1.0).
+        deepspeed_plugin=DeepSpeedPlugin(gradient_accumulation_steps=cfg.grad_accum,
+                                         gradient_clipping=cfg.max_grad_norm or 0.0)
+        if engine_requested() == "DEEPSPEED" else None,
     )
     world = accelerator.num_processes
-    _check_engine(accelerator)
+    _set_up_engine(accelerator)
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
 
@@ -98,6 +107,13 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch)
 
     train_loader, eval_loader = build_loaders(cfg, data, world, pin_memory=accelerator.device.type == "cuda")
+    input_dtype = None
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # Its loaders' batches come from a batch sampler, so DeepSpeed is told the per-process batch; and
+        # its bf16/fp16 casts the weights themselves (no autocast), so batches are cast to match them.
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_config["train_micro_batch_size_per_gpu"] = cfg.batch_size // (world * cfg.grad_accum)
+        input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
@@ -122,6 +138,7 @@ def train(cfg: TrainConfig) -> dict:
         # Everything besides save_state's files that the rest of the run depends on (all processes
         # call this). The position in the data is the step: every epoch has exactly `per_epoch` steps.
         return {"step": step, "skipped_steps": skipped, "evals": evals, "best": best, "world_size": world,
+                "engine": engine_requested(),
                 "losses": losses.state(accelerator), "config": cfg.to_dict()}
 
     def save_checkpoint(name: str | None = None) -> None:
@@ -162,8 +179,7 @@ def train(cfg: TrainConfig) -> dict:
             batch_ready = time.perf_counter()
             for inputs, targets in batches:
                 data_wait += time.perf_counter() - batch_ready
-                if cfg.channels_last and inputs.dim() == 4:
-                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+                inputs = model_inputs(inputs, cfg.channels_last, input_dtype)
                 with accelerator.accumulate(model):
                     loss = loss_fn(model(inputs), targets)
                     accelerator.backward(loss)
@@ -218,7 +234,7 @@ def train(cfg: TrainConfig) -> dict:
                 stop_if_signalled(check=step % cfg.log_every == 0)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             eval_start = time.perf_counter()
-            metrics = evaluate(accelerator, model, eval_loader, data.task, cfg.channels_last)
+            metrics = evaluate(accelerator, model, eval_loader, data.task, cfg.channels_last, input_dtype)
             evals.append({"step": step, "epoch": epoch + 1, **metrics})
             files.log({"step": step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in metrics.items()}})
             if cfg.log_with:
@@ -272,9 +288,11 @@ def train(cfg: TrainConfig) -> dict:
         if peak_flops:  # against the bf16 peak of one device, as nanoGPT reports MFU
             summary["mfu"] = summary["flops_per_s"] / (peak_flops * world)
     if data.task == "regression" and cfg.model == "linreg":
-        layer = accelerator.unwrap_model(model).linear
-        summary["learned"] = {"weight": layer.weight.item(), "bias": layer.bias.item()}
-        progress.print(f"learned weight {layer.weight.item():.4f}, bias {layer.bias.item():.4f}")
+        # The full weights on every engine (under FSDP a collective that the main process receives).
+        weights = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            summary["learned"] = {"weight": weights["linear.weight"].item(), "bias": weights["linear.bias"].item()}
+            progress.print(f"learned weight {summary['learned']['weight']:.4f}, bias {summary['learned']['bias']:.4f}")
     files.write_summary(summary)
     plots = []
     if accelerator.is_main_process:
@@ -315,7 +333,8 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) ->
     return train_loader, eval_loader
 
 
-def evaluate(accelerator: Accelerator, model, loader, task: str, channels_last: bool = False) -> dict:
+def evaluate(accelerator: Accelerator, model, loader, task: str, channels_last: bool = False,
+             input_dtype: torch.dtype | None = None) -> dict:
     """Metrics over the whole evaluation set, each sample counted once whatever the number of processes.
 
     The loader pads its last batch so that every process gets the same number of samples;
@@ -327,8 +346,7 @@ def evaluate(accelerator: Accelerator, model, loader, task: str, channels_last: 
     count = 0
     with torch.no_grad():
         for inputs, targets in loader:
-            if channels_last and inputs.dim() == 4:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            inputs = model_inputs(inputs, channels_last, input_dtype)
             outputs, targets = accelerator.gather_for_metrics((model(inputs), targets))
             outputs = outputs.float()
             if task == "classification":
@@ -342,6 +360,15 @@ def evaluate(accelerator: Accelerator, model, loader, task: str, channels_last: 
     if task == "classification":
         metrics["accuracy"] = correct.item() / count
     return metrics
+
+
+def model_inputs(inputs: torch.Tensor, channels_last: bool, dtype: torch.dtype | None) -> torch.Tensor:
+    """A batch as the model takes it: NHWC memory for --channels-last, the weights' dtype under DeepSpeed."""
+    if channels_last and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    if dtype is not None and inputs.is_floating_point():
+        inputs = inputs.to(dtype)
+    return inputs
 
 
 def _prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> Data:
@@ -358,14 +385,63 @@ def _prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> Data:
     return data
 
 
-def _check_engine(accelerator: Accelerator) -> None:
-    """Accelerate quietly trains plain DDP when FSDP was asked for on CPU processes; say so instead."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
-        raise ConfigError(
-            f"FSDP was requested (accelerate config) but Accelerate set up {accelerator.distributed_type.value} "
-            f"on {accelerator.device.type}: it enables FSDP for GPU processes only; use accelerate_configs/cpu_ddp.yaml "
-            "on a CPU"
-        )
+def _check_deepspeed(cfg: TrainConfig) -> None:
+    """Checked before the process group exists: Accelerate would fail inside its setup, or quietly
+    train something else."""
+    missing = [name for name in ("deepspeed", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:  # Accelerate 1.15's DeepSpeed setup imports transformers too
+        raise ConfigError(f"the accelerate config selects DeepSpeed, which needs {' and '.join(missing)}: "
+                          'pip install -e ".[deepspeed]"')
+    if cfg.cpu:
+        raise ConfigError("--cpu does not combine with DeepSpeed (Accelerate leaves DeepSpeed out for cpu=True); "
+                          "on CPUs use accelerate_configs/fsdp.yaml or cpu_ddp.yaml")
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("without a GPU, DeepSpeed runs as one process only (Accelerate 1.15 would make every CPU "
+                          "process a world of its own): launch it with --num_processes 1, or use "
+                          "accelerate_configs/fsdp.yaml or cpu_ddp.yaml for several CPU processes")
+    # The launcher exports these from the config's deepspeed_config; Accelerate would let them override
+    # the trainer's own settings (and fails on "auto").
+    for variable, option, value in (("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "--grad-accum", cfg.grad_accum),
+                                    ("ACCELERATE_GRADIENT_CLIPPING", "--max-grad-norm", cfg.max_grad_norm or 0.0)):
+        given = os.environ.get(variable)
+        if given is not None and _number(given) != value:
+            raise ConfigError(f"the accelerate config sets {variable.split('_', 1)[1].lower()} {given}; acc_trainer "
+                              f"passes {option} ({value}) to DeepSpeed: remove it from the config's deepspeed_config")
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _set_up_engine(accelerator: Accelerator) -> None:
+    """FSDP on CPU processes, and no engine silently replaced by another.
+
+    torch's FSDP2 shards over gloo (CPU) as well as NCCL, but Accelerate 1.15 switches FSDP on only
+    for GPU process groups: CPU processes launched with fsdp.yaml would quietly train plain DDP. For
+    them the trainer makes the same assignments Accelerate's `AcceleratorState.__init__` makes for a
+    GPU group, with the plugin Accelerate reads from the launcher's environment; preparation,
+    sharding, clipping and checkpoints are then Accelerate's own FSDP2 code, as on GPUs.
+    """
+    if engine_requested() == "FSDP" and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        plugin = FullyShardedDataParallelPlugin()
+        if plugin.fsdp_version != 2:
+            raise ConfigError("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config (FSDP2, as "
+                              "accelerate_configs/fsdp.yaml)")
+        if accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(accelerator.mixed_precision)
+        accelerator.state.fsdp_plugin = plugin
+        accelerator.state.distributed_type = DistributedType.FSDP
+        # Accelerate keeps the two states in step the same way (an AcceleratorState() created later,
+        # as prepare() does, copies PartialState's distributed_type).
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    for engine in ("FSDP", "DEEPSPEED"):
+        if engine_requested() == engine and accelerator.distributed_type != DistributedType[engine]:
+            raise ConfigError(f"the accelerate config selects {engine} but Accelerate set up "
+                              f"{accelerator.distributed_type.value} on {accelerator.device.type}; start the "
+                              "processes with accelerate launch --config_file accelerate_configs/...")
 
 
 def _check_topology(cfg: TrainConfig, state: PartialState) -> None:

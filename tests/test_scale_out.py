@@ -6,6 +6,8 @@ import os
 import shlex
 import subprocess
 
+import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import BIN, CONFIGS, _env, check, free_port, launch, run_cli, summary
@@ -62,10 +64,94 @@ def test_slurm_script_builds_the_launch_of_each_machine(tmp_path):
     assert command[-2:] == ["--resume", "auto"]
 
 
-def test_fsdp_on_cpu_is_refused_not_silently_ddp(tmp_path):
-    """Accelerate enables FSDP only for GPU process groups; on CPU it would quietly train plain DDP."""
-    result = launch(*JOB, "--output-dir", tmp_path / "run", launcher_args=["--config_file", CONFIGS / "fsdp.yaml"])
-    assert result.returncode != 0
-    assert ("acc-trainer: error (rank 0): FSDP was requested (accelerate config) but Accelerate set up MULTI_CPU on "
-            "cpu: it enables FSDP for GPU processes only; use accelerate_configs/cpu_ddp.yaml on a CPU") in result.stderr
-    assert not (tmp_path / "run").exists()
+# Gradient accumulation, clipping, AdamW with warmup and cosine: what the sharded engines must reproduce.
+SHARDED_JOB = ["--model", "mlp", "--train-size", "1024", "--eval-size", "256", "--batch-size", "64", "--epochs", "2",
+               "--max-steps", "24", "--optimizer", "adamw", "--lr", "0.003", "--warmup-steps", "4", "--schedule",
+               "cosine", "--grad-accum", "2", "--max-grad-norm", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """SHARDED_JOB on one plain process: the reference for FSDP and DeepSpeed."""
+    out = tmp_path_factory.mktemp("plain") / "run"
+    check(run_cli(*SHARDED_JOB, "--output-dir", out))
+    return out
+
+
+def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, shards: str) -> None:
+    """Trains SHARDED_JOB under an engine, checkpointing at step 10, then resumes from that checkpoint."""
+    check(launch(*SHARDED_JOB, "--output-dir", tmp_path / "run", "--checkpoint-every", "10",
+                 launcher_args=launcher_args))
+    s, plain = summary(tmp_path / "run"), summary(plain_run)
+    assert s["distributed_type"] == engine
+    for a, b in zip(s["evals"], plain["evals"], strict=True):
+        assert a["accuracy"] == b["accuracy"] and abs(a["loss"] - b["loss"]) < 1e-5
+
+    # The checkpoint holds the engine's own files; the final weights are whole and load into a plain
+    # model, equal to the plain run's.
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000010"
+    assert (checkpoint / shards).exists()
+    from acc_trainer.data import Data
+    from acc_trainer.models import build_model
+
+    final, reference = load_file(tmp_path / "run" / "model.safetensors"), load_file(plain_run / "model.safetensors")
+    build_model("mlp", Data(None, None, "classification", 10, (3, 32, 32))).load_state_dict(final)  # strict
+    assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
+
+    # Resumed from the step-10 checkpoint, the run ends with exactly the same weights.
+    check(launch(*SHARDED_JOB, "--output-dir", tmp_path / "resumed", "--resume", checkpoint,
+                 launcher_args=launcher_args))
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert all(torch.equal(resumed[k], final[k]) for k in final)
+    assert summary(tmp_path / "resumed")["evals"] == s["evals"]
+
+    # A checkpoint needs the engine that wrote it.
+    from acc_trainer.checkpoints import read_state
+    from acc_trainer.cli import parse_config
+    from acc_trainer.config import ConfigError
+
+    cfg = parse_config([*SHARDED_JOB, "--output-dir", str(tmp_path / "ddp"), "--checkpoint-every", "10"])
+    with pytest.raises(ConfigError, match=f"was written under {engine}; resume it with the same accelerate config "
+                                          r"\(this run: DDP\)"):
+        read_state(checkpoint, cfg, s["world_size"], "DDP")
+
+
+def test_fsdp_on_two_cpu_processes(tmp_path, plain_run):
+    """fsdp.yaml (FSDP2) on 2 gloo processes; the checkpoint is sharded, one file per process."""
+    check_sharded_engine(tmp_path, plain_run, "FSDP", ["--config_file", CONFIGS / "fsdp.yaml"], "pytorch_model_fsdp_0")
+    shards = tmp_path / "run" / "checkpoints" / "step-00000010" / "pytorch_model_fsdp_0"
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_deepspeed_on_one_cpu_process(tmp_path, plain_run):
+    """deepspeed.yaml (ZeRO-2) as one CPU process, the one DeepSpeed setup Accelerate allows without a GPU."""
+    check_sharded_engine(tmp_path, plain_run, "DEEPSPEED", ["--config_file", CONFIGS / "deepspeed.yaml",
+                         "--num_processes", "1", "--mixed_precision", "no"], "pytorch_model")
+
+
+def test_deepspeed_input_errors(tmp_path, main_in_process, monkeypatch):
+    """Each DeepSpeed setup Accelerate would break or quietly replace is one line, before anything is written."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    out = tmp_path / "run"
+    expected = {
+        "WORLD_SIZE": ("2", "without a GPU, DeepSpeed runs as one process only (Accelerate 1.15 would make every CPU "
+                            "process a world of its own): launch it with --num_processes 1, or use "
+                            "accelerate_configs/fsdp.yaml or cpu_ddp.yaml for several CPU processes"),
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("auto", "the accelerate config sets gradient_accumulation_steps "
+                                                   "auto; acc_trainer passes --grad-accum (1) to DeepSpeed: remove it "
+                                                   "from the config's deepspeed_config"),
+    }
+    for variable, (value, message) in expected.items():
+        with monkeypatch.context() as m:
+            m.setenv(variable, value)
+            assert main_in_process(*JOB, "--output-dir", out) == (2, "", f"acc-trainer: error: {message}\n")
+    assert main_in_process(*JOB, "--cpu", "--output-dir", out)[2] == (
+        "acc-trainer: error: --cpu does not combine with DeepSpeed (Accelerate leaves DeepSpeed out for cpu=True); "
+        "on CPUs use accelerate_configs/fsdp.yaml or cpu_ddp.yaml\n")
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else object())
+    assert main_in_process(*JOB, "--output-dir", out)[2] == (
+        'acc-trainer: error: the accelerate config selects DeepSpeed, which needs transformers: '
+        'pip install -e ".[deepspeed]"\n')
+    assert not out.exists()
