@@ -11,7 +11,6 @@ leaves only a `.tmp-` folder, which is never picked up and is cleared by the nex
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -88,14 +87,6 @@ def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
     if not path.is_dir():
         raise ConfigError(f"--resume {path}: no such checkpoint folder")
     return path
-
-
-def engine_requested() -> str:
-    """The engine the accelerate config selects: FSDP and DeepSpeed write their own (sharded) files."""
-    for engine in ("FSDP", "DEEPSPEED"):
-        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
-            return engine
-    return "DDP"
 
 
 def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:

@@ -31,7 +31,7 @@ from accelerate.utils import (DeepSpeedPlugin, DistributedType, FullyShardedData
                                TorchDynamoPlugin, broadcast_object_list, set_seed)
 from torch.utils.data import DataLoader, RandomSampler
 
-from .checkpoints import BEST, Checkpoints, engine_requested, find_resume, read_state
+from .checkpoints import BEST, Checkpoints, find_resume, read_state
 from .checkpoints import load as load_checkpoint
 from .config import ConfigError, TrainConfig
 from .data import Data, IndexBatches, InMemory, build_data, steps_per_epoch
@@ -54,7 +54,8 @@ def train(cfg: TrainConfig) -> dict:
     # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
     cpu = cfg.cpu or not torch.cuda.is_available()
-    if engine_requested() == "DEEPSPEED":
+    engine = _engine_requested()
+    if engine == "DEEPSPEED":
         _check_deepspeed(cfg)
         cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
@@ -64,7 +65,7 @@ def train(cfg: TrainConfig) -> dict:
     _check_topology(cfg, state)
     out = _output_dir(cfg)
     resume = find_resume(cfg, out)
-    resumed = read_state(resume, cfg, state.num_processes, engine_requested()) if resume else None
+    resumed = read_state(resume, cfg, state.num_processes, engine) if resume else None
     if torch.cuda.is_available():  # TF32 tensor cores for float32 matmuls and convolutions (Ampere on)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     accelerator = Accelerator(
@@ -79,10 +80,10 @@ def train(cfg: TrainConfig) -> dict:
         # --grad-accum and --max-grad-norm, not Accelerate's defaults ("auto" would clip at 1.0).
         deepspeed_plugin=DeepSpeedPlugin(gradient_accumulation_steps=cfg.grad_accum,
                                          gradient_clipping=cfg.max_grad_norm or 0.0)
-        if engine_requested() == "DEEPSPEED" else None,
+        if engine == "DEEPSPEED" else None,
     )
     world = accelerator.num_processes
-    _set_up_engine(accelerator)
+    _set_up_engine(accelerator, engine)
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
 
@@ -138,7 +139,7 @@ def train(cfg: TrainConfig) -> dict:
         # Everything besides save_state's files that the rest of the run depends on (all processes
         # call this). The position in the data is the step: every epoch has exactly `per_epoch` steps.
         return {"step": step, "skipped_steps": skipped, "evals": evals, "best": best, "world_size": world,
-                "engine": engine_requested(),
+                "engine": engine,
                 "losses": losses.state(accelerator), "config": cfg.to_dict()}
 
     def save_checkpoint(name: str | None = None) -> None:
@@ -385,6 +386,14 @@ def _prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> Data:
     return data
 
 
+def _engine_requested() -> str:
+    """"FSDP" or "DEEPSPEED" when the accelerate config (through accelerate launch) selects one, else "DDP"."""
+    for engine in ("FSDP", "DEEPSPEED"):
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
+            return engine
+    return "DDP"
+
+
 def _check_deepspeed(cfg: TrainConfig) -> None:
     """Checked before the process group exists: Accelerate would fail inside its setup, or quietly
     train something else."""
@@ -416,7 +425,7 @@ def _number(text: str) -> float | None:
         return None
 
 
-def _set_up_engine(accelerator: Accelerator) -> None:
+def _set_up_engine(accelerator: Accelerator, engine: str) -> None:
     """FSDP on CPU processes, and no engine silently replaced by another.
 
     torch's FSDP2 shards over gloo (CPU) as well as NCCL, but Accelerate 1.15 switches FSDP on only
@@ -425,7 +434,7 @@ def _set_up_engine(accelerator: Accelerator) -> None:
     GPU group, with the plugin Accelerate reads from the launcher's environment; preparation,
     sharding, clipping and checkpoints are then Accelerate's own FSDP2 code, as on GPUs.
     """
-    if engine_requested() == "FSDP" and accelerator.distributed_type == DistributedType.MULTI_CPU:
+    if engine == "FSDP" and accelerator.distributed_type == DistributedType.MULTI_CPU:
         plugin = FullyShardedDataParallelPlugin()
         if plugin.fsdp_version != 2:
             raise ConfigError("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config (FSDP2, as "
@@ -437,11 +446,10 @@ def _set_up_engine(accelerator: Accelerator) -> None:
         # Accelerate keeps the two states in step the same way (an AcceleratorState() created later,
         # as prepare() does, copies PartialState's distributed_type).
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    for engine in ("FSDP", "DEEPSPEED"):
-        if engine_requested() == engine and accelerator.distributed_type != DistributedType[engine]:
-            raise ConfigError(f"the accelerate config selects {engine} but Accelerate set up "
-                              f"{accelerator.distributed_type.value} on {accelerator.device.type}; start the "
-                              "processes with accelerate launch --config_file accelerate_configs/...")
+    if engine != "DDP" and accelerator.distributed_type != DistributedType[engine]:
+        raise ConfigError(f"the accelerate config selects {engine} but Accelerate set up "
+                          f"{accelerator.distributed_type.value} on {accelerator.device.type}; start the "
+                          "processes with accelerate launch --config_file accelerate_configs/...")
 
 
 def _check_topology(cfg: TrainConfig, state: PartialState) -> None:
