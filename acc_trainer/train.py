@@ -2,7 +2,8 @@
 
 Read `train()` top to bottom. Accelerate does every distributed step, each one visible here:
 `Accelerator(...)` picks devices, processes and precision; `prepare` wraps the model (DDP when
-there are several processes), the optimizer, the scheduler and the data loaders (each process gets
+there are several processes, or FSDP / DeepSpeed when the accelerate config selects them: see
+engines.py), the optimizer, the scheduler and the data loaders (each process gets
 its slice of every global batch); `accumulate` + `backward` handle gradient accumulation and
 loss scaling; `gather_for_metrics` collects evaluation outputs from every process exactly once;
 `save_model` writes the final weights from the main process.
@@ -16,9 +17,7 @@ optimizer steps whatever the topology.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import signal
 import time
 from datetime import timedelta
@@ -27,8 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs, PartialState
-from accelerate.utils import (DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin, ProjectConfiguration,
-                               TorchDynamoPlugin, broadcast_object_list, set_seed)
+from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, broadcast_object_list, set_seed
 from torch.utils.data import DataLoader, RandomSampler
 
 from .checkpoints import BEST, Checkpoints, find_resume, read_state
@@ -37,7 +35,7 @@ from .config import ConfigError, TrainConfig
 from .data import Data, IndexBatches, InMemory, build_data, steps_per_epoch
 from .metrics import RunFiles, device_peak_flops, fingerprint, flops_per_sample, library_versions, peak_memory_mb
 from .models import build_model, sync_batchnorm
-from . import speedups
+from . import engines, speedups
 from .optim import build_optimizer, build_scheduler
 from .progress import Progress, summary_table
 from .stopping import IntervalLosses, StopSignals, TrainingStopped
@@ -54,9 +52,9 @@ def train(cfg: TrainConfig) -> dict:
     # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
     cpu = cfg.cpu or not torch.cuda.is_available()
-    engine = _engine_requested()
+    engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
     if engine == "DEEPSPEED":
-        _check_deepspeed(cfg)
+        engines.check_deepspeed(cfg)
         cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
     # The process group comes first (Accelerate's PartialState), so that the main process can name
@@ -77,13 +75,10 @@ def train(cfg: TrainConfig) -> dict:
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         dataloader_config=dataloader_config(cfg),
         kwargs_handlers=[timeout],
-        # --grad-accum and --max-grad-norm, not Accelerate's defaults ("auto" would clip at 1.0).
-        deepspeed_plugin=DeepSpeedPlugin(gradient_accumulation_steps=cfg.grad_accum,
-                                         gradient_clipping=cfg.max_grad_norm or 0.0)
-        if engine == "DEEPSPEED" else None,
+        deepspeed_plugin=engines.deepspeed_plugin(cfg) if engine == "DEEPSPEED" else None,
     )
     world = accelerator.num_processes
-    _set_up_engine(accelerator, engine)
+    engines.set_up(accelerator, engine)  # FSDP on CPU processes; no engine silently replaced
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
 
@@ -108,13 +103,7 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch)
 
     train_loader, eval_loader = build_loaders(cfg, data, world, pin_memory=accelerator.device.type == "cuda")
-    input_dtype = None
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # Its loaders' batches come from a batch sampler, so DeepSpeed is told the per-process batch; and
-        # its bf16/fp16 casts the weights themselves (no autocast), so batches are cast to match them.
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds_config["train_micro_batch_size_per_gpu"] = cfg.batch_size // (world * cfg.grad_accum)
-        input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    input_dtype = engines.prepare_deepspeed(accelerator, cfg.batch_size // (world * cfg.grad_accum))
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
@@ -384,72 +373,6 @@ def _prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> Data:
     if error is not None:
         raise error
     return data
-
-
-def _engine_requested() -> str:
-    """"FSDP" or "DEEPSPEED" when the accelerate config (through accelerate launch) selects one, else "DDP"."""
-    for engine in ("FSDP", "DEEPSPEED"):
-        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true":
-            return engine
-    return "DDP"
-
-
-def _check_deepspeed(cfg: TrainConfig) -> None:
-    """Checked before the process group exists: Accelerate would fail inside its setup, or quietly
-    train something else."""
-    missing = [name for name in ("deepspeed", "transformers") if importlib.util.find_spec(name) is None]
-    if missing:  # Accelerate 1.15's DeepSpeed setup imports transformers too
-        raise ConfigError(f"the accelerate config selects DeepSpeed, which needs {' and '.join(missing)}: "
-                          'pip install -e ".[deepspeed]"')
-    if cfg.cpu:
-        raise ConfigError("--cpu does not combine with DeepSpeed (Accelerate leaves DeepSpeed out for cpu=True); "
-                          "on CPUs use accelerate_configs/fsdp.yaml or cpu_ddp.yaml")
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("without a GPU, DeepSpeed runs as one process only (Accelerate 1.15 would make every CPU "
-                          "process a world of its own): launch it with --num_processes 1, or use "
-                          "accelerate_configs/fsdp.yaml or cpu_ddp.yaml for several CPU processes")
-    # The launcher exports these from the config's deepspeed_config; Accelerate would let them override
-    # the trainer's own settings (and fails on "auto").
-    for variable, option, value in (("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "--grad-accum", cfg.grad_accum),
-                                    ("ACCELERATE_GRADIENT_CLIPPING", "--max-grad-norm", cfg.max_grad_norm or 0.0)):
-        given = os.environ.get(variable)
-        if given is not None and _number(given) != value:
-            raise ConfigError(f"the accelerate config sets {variable.split('_', 1)[1].lower()} {given}; acc_trainer "
-                              f"passes {option} ({value}) to DeepSpeed: remove it from the config's deepspeed_config")
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def _set_up_engine(accelerator: Accelerator, engine: str) -> None:
-    """FSDP on CPU processes, and no engine silently replaced by another.
-
-    torch's FSDP2 shards over gloo (CPU) as well as NCCL, but Accelerate 1.15 switches FSDP on only
-    for GPU process groups: CPU processes launched with fsdp.yaml would quietly train plain DDP. For
-    them the trainer makes the same assignments Accelerate's `AcceleratorState.__init__` makes for a
-    GPU group, with the plugin Accelerate reads from the launcher's environment; preparation,
-    sharding, clipping and checkpoints are then Accelerate's own FSDP2 code, as on GPUs.
-    """
-    if engine == "FSDP" and accelerator.distributed_type == DistributedType.MULTI_CPU:
-        plugin = FullyShardedDataParallelPlugin()
-        if plugin.fsdp_version != 2:
-            raise ConfigError("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config (FSDP2, as "
-                              "accelerate_configs/fsdp.yaml)")
-        if accelerator.mixed_precision != "no":
-            plugin.set_mixed_precision(accelerator.mixed_precision)
-        accelerator.state.fsdp_plugin = plugin
-        accelerator.state.distributed_type = DistributedType.FSDP
-        # Accelerate keeps the two states in step the same way (an AcceleratorState() created later,
-        # as prepare() does, copies PartialState's distributed_type).
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    if engine != "DDP" and accelerator.distributed_type != DistributedType[engine]:
-        raise ConfigError(f"the accelerate config selects {engine} but Accelerate set up "
-                          f"{accelerator.distributed_type.value} on {accelerator.device.type}; start the "
-                          "processes with accelerate launch --config_file accelerate_configs/...")
 
 
 def _check_topology(cfg: TrainConfig, state: PartialState) -> None:
