@@ -17,7 +17,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 
 STATE_FILE = "trainer_state.json"
 BEST = "best"
@@ -136,5 +136,4 @@ def load(accelerator: Accelerator, path: Path) -> None:
     try:
         accelerator.load_state(str(path))
     except Exception as e:  # safetensors, pickle and torch each raise their own types for a bad file
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {text})") from None
+        raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first_line(e)})") from None

@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import MISSING, fields
 
-from .config import ConfigError, TrainConfig, load_yaml, make_config
+from .config import ConfigError, TrainConfig, first_line, load_yaml, make_config
 
 EXAMPLES = """\
 commands:
@@ -109,9 +109,8 @@ def main(argv: list[str] | None = None) -> None:
                 dist.barrier()
             sys.exit(e.code)
         if lost_contact(e):
-            first = str(e).strip().splitlines()[0]
             print(f"acc-trainer: error (rank {rank}): lost contact with another process, which died, hung or lost "
-                  f"its network (waited at most --dist-timeout): {first}; continue from the last checkpoint with "
+                  f"its network (waited at most --dist-timeout): {first_line(e)}; continue from the last checkpoint with "
                   f"--resume auto", file=sys.stderr)
             sys.exit(1)
         raise

@@ -28,6 +28,12 @@ class ConfigError(ValueError):
     """A mistake in the user's input: reported as one line on stderr, exit code 2."""
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message cut to its first line (its type when it has none), to quote in one line."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
@@ -139,7 +145,7 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches"
             )
-        self.checkpoint_steps, self.checkpoint_epochs  # parses --checkpoint-every
+        self._checkpoint_parts()  # parses --checkpoint-every
         if self.nesterov and self.optimizer != "sgd":
             raise ConfigError("--nesterov applies to --optimizer sgd only")
         return self

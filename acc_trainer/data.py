@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, Dataset, TensorDataset
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 
 NUM_SYNTHETIC_CLASSES = 10
 CIFAR_MEAN_STD = {
@@ -40,9 +40,8 @@ def torchvision():
     try:
         import torchvision as tv
     except Exception as e:  # a mismatched build fails with RuntimeError or OSError, not only ImportError
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"torchvision cannot be imported ({first}); install the torchvision release built for "
+            f"torchvision cannot be imported ({first_line(e)}); install the torchvision release built for "
             f"torch {torch.__version__} (pip install torchvision)"
         ) from None
     return tv
@@ -84,7 +83,10 @@ class IndexBatches(BatchSampler):
 
 
 class Resized(Dataset):
-    """Upscales the images of a tensor dataset per sample, as torchvision's Resize does for PIL images."""
+    """Upscales the images of a tensor dataset per sample, as torchvision's Resize does for PIL images.
+
+    With torch's interpolate rather than torchvision, so that the generated datasets keep working
+    where torchvision cannot be imported."""
 
     def __init__(self, base: Dataset, size: int):
         self.base, self.size = base, size
@@ -168,7 +170,7 @@ def cifar(cfg: TrainConfig) -> Data:
         train = cls(root=str(root), train=True, transform=tf, download=False)
         eval_ = cls(root=str(root), train=False, transform=tf, download=False)
     except Exception as e:  # torchvision says "Dataset not found or corrupted" or fails to unpickle
-        raise ConfigError(f"{cfg.dataset} files in {folder} are incomplete or corrupted ({_first_line(e)})") from None
+        raise ConfigError(f"{cfg.dataset} files in {folder} are incomplete or corrupted ({first_line(e)})") from None
     return Data(train, eval_, "classification", len(train.classes), (3, _image_size(cfg), _image_size(cfg)))
 
 
@@ -196,7 +198,7 @@ def _download_cifar(cls, root: Path, name: str, folder: Path) -> None:
         cls(root=str(root), train=True, download=True)
     except Exception as e:
         raise ConfigError(
-            f"{name} was not found in {folder} and could not be downloaded ({_first_line(e)}); "
+            f"{name} was not found in {folder} and could not be downloaded ({first_line(e)}); "
             f"put the extracted '{folder.name}' folder of the python version of the dataset in {root}"
         ) from None
 
@@ -213,18 +215,13 @@ def imagefolder(cfg: TrainConfig) -> Data:
         train = tv.datasets.ImageFolder(str(root / "train"), transform=tf)
         eval_ = tv.datasets.ImageFolder(str(root / "val"), transform=tf)
     except (FileNotFoundError, OSError) as e:
-        raise ConfigError(f"imagefolder {root}: {_first_line(e)}") from None
+        raise ConfigError(f"imagefolder {root}: {first_line(e)}") from None
     if train.classes != eval_.classes:
         raise ConfigError(
             f"imagefolder {root}: train/ and val/ have different classes ({train.classes} vs {eval_.classes})"
         )
     size = _image_size(cfg)
     return Data(train, eval_, "classification", len(train.classes), (3, size, size))
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 DATASETS: dict[str, Callable[[TrainConfig], Data]] = {

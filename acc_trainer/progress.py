@@ -73,6 +73,15 @@ class Progress:
             self.console.print(f"epoch {epoch + 1}/{self.epochs}  step {step}/{self.total_steps}  {stats}")
 
 
+def best_evaluation(evals: list[dict]) -> dict | None:
+    """The evaluation with the highest accuracy (the lowest loss for regression), or None."""
+    if not evals:
+        return None
+    if "accuracy" in evals[0]:
+        return max(evals, key=lambda e: e["accuracy"])
+    return min(evals, key=lambda e: e["loss"])
+
+
 def summary_table(summary: dict, plots: list) -> Table:
     """The end-of-run table: results, speed, topology, and where the files are."""
     table = Table(title="acc_trainer: run summary", show_header=False, title_justify="left")
@@ -82,13 +91,9 @@ def summary_table(summary: dict, plots: list) -> Table:
     rows = [("run", f"{summary['model']} on {summary['dataset']}, {summary['steps']} steps, {summary['epochs']} epoch(s)")]
     results = ([f"accuracy {final['accuracy']:.2%}"] if "accuracy" in final else []) + [f"loss {final['loss']:.4f}"]
     rows.append(("final evaluation", ", ".join(results) + f" on {summary['eval_samples']} samples"))
-    evals = summary["evals"]
-    if "accuracy" in final:
-        best = max(evals, key=lambda e: e["accuracy"])
-        rows.append(("best evaluation", f"accuracy {best['accuracy']:.2%} at step {best['step']}"))
-    else:
-        best = min(evals, key=lambda e: e["loss"])
-        rows.append(("best evaluation", f"loss {best['loss']:.4f} at step {best['step']}"))
+    best = best_evaluation(summary["evals"])
+    value = f"accuracy {best['accuracy']:.2%}" if "accuracy" in best else f"loss {best['loss']:.4f}"
+    rows.append(("best evaluation", f"{value} at step {best['step']}"))
     if summary.get("learned"):
         rows.append(("learned", f"weight {summary['learned']['weight']:.4f}, bias {summary['learned']['bias']:.4f}"))
     speed = f"{summary['samples_per_s']:,.0f} samples/s" if summary["samples_per_s"] else "-"

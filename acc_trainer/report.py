@@ -16,7 +16,7 @@ from rich.table import Table
 from .cli import Parser
 from .config import ConfigError
 from .plots import plot_comparison, read_metrics
-from .progress import make_console
+from .progress import best_evaluation, make_console
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,14 +74,11 @@ def report(runs: list[Path], labels: list[str], output: Path, console: Console |
 
 
 def _best(summary: dict) -> str:
-    evals = summary.get("evals") or []
-    if not evals:
+    best = best_evaluation(summary.get("evals") or [])
+    if best is None:
         return "-"
-    if "accuracy" in evals[0]:
-        best = max(evals, key=lambda e: e["accuracy"])
-        return f"{best['accuracy']:.2%} @ {best['step']}"
-    best = min(evals, key=lambda e: e["loss"])
-    return f"{best['loss']:.4f} @ {best['step']}"
+    value = f"{best['accuracy']:.2%}" if "accuracy" in best else f"{best['loss']:.4f}"
+    return f"{value} @ {best['step']}"
 
 
 def main(argv: list[str]) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs, PartialState
 from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, broadcast_object_list, set_seed
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, RandomSampler
 
 from .checkpoints import BEST, Checkpoints, find_resume, read_state
@@ -78,6 +79,7 @@ def train(cfg: TrainConfig) -> dict:
         deepspeed_plugin=engines.deepspeed_plugin(cfg) if engine == "DEEPSPEED" else None,
     )
     world = accelerator.num_processes
+    per_process_batch = cfg.batch_size // (world * cfg.grad_accum)  # of one micro-batch
     engines.set_up(accelerator, engine)  # FSDP on CPU processes; no engine silently replaced
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
@@ -103,7 +105,7 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch)
 
     train_loader, eval_loader = build_loaders(cfg, data, world, pin_memory=accelerator.device.type == "cuda")
-    input_dtype = engines.prepare_deepspeed(accelerator, cfg.batch_size // (world * cfg.grad_accum))
+    input_dtype = engines.prepare_deepspeed(accelerator, per_process_batch)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
@@ -150,7 +152,7 @@ def train(cfg: TrainConfig) -> dict:
     progress.print(
         f"[bold]acc_trainer[/] {cfg.model} on {cfg.dataset}: {world} process(es) "
         f"({accelerator.distributed_type.value}, {accelerator.device.type}), precision {accelerator.mixed_precision}, "
-        f"global batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {cfg.batch_size // (world * cfg.grad_accum)}, "
+        f"global batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {per_process_batch}, "
         f"{total_steps} steps" + (f", resuming at step {step} from {resume}" if resumed else "")
     )
 
@@ -251,7 +253,7 @@ def train(cfg: TrainConfig) -> dict:
         "mixed_precision": accelerator.mixed_precision,
         "global_batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
-        "per_process_batch_size": cfg.batch_size // (world * cfg.grad_accum),
+        "per_process_batch_size": per_process_batch,
         "steps": step,
         "skipped_steps": skipped,
         "epochs": epochs,
@@ -277,12 +279,11 @@ def train(cfg: TrainConfig) -> dict:
         summary["flops_per_s"] = flops * summary["samples_per_s"]
         if peak_flops:  # against the bf16 peak of one device, as nanoGPT reports MFU
             summary["mfu"] = summary["flops_per_s"] / (peak_flops * world)
-    if data.task == "regression" and cfg.model == "linreg":
-        # The full weights on every engine (under FSDP a collective that the main process receives).
-        weights = accelerator.get_state_dict(model)
-        if accelerator.is_main_process:
-            summary["learned"] = {"weight": weights["linear.weight"].item(), "bias": weights["linear.bias"].item()}
-            progress.print(f"learned weight {summary['learned']['weight']:.4f}, bias {summary['learned']['bias']:.4f}")
+    if cfg.model == "linreg" and accelerator.is_main_process:
+        # From the full weights just saved: under FSDP a process's own parameters are only its shard.
+        weights = load_file(out / "model.safetensors")
+        summary["learned"] = {"weight": weights["linear.weight"].item(), "bias": weights["linear.bias"].item()}
+        progress.print(f"learned weight {summary['learned']['weight']:.4f}, bias {summary['learned']['bias']:.4f}")
     files.write_summary(summary)
     plots = []
     if accelerator.is_main_process:
