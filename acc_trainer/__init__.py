@@ -1,7 +1,31 @@
 """acc_trainer: one training loop on Hugging Face Accelerate, from a laptop CPU to several machines.
 
-Importing the package is cheap and never imports torchvision; `acc_trainer.train.train(config)`
-runs a training job, `python -m acc_trainer` / `acc-trainer` is the command line.
+    import acc_trainer
+    acc_trainer.fit(model, train_data, eval_data, epochs=3, batch_size=256)   # your own model and data
+    acc_trainer.train(acc_trainer.TrainConfig(model="lenet"))                 # a workload by name
+
+`python -m acc_trainer` / `acc-trainer` is the command line. Importing the package is cheap: torch,
+Accelerate and torchvision are imported when a name below is first used.
 """
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "fit": ("acc_trainer.train", "fit"),
+    "train": ("acc_trainer.train", "train"),
+    "TrainConfig": ("acc_trainer.config", "TrainConfig"),
+    "ConfigError": ("acc_trainer.config", "ConfigError"),
+    "TrainingStopped": ("acc_trainer.stopping", "TrainingStopped"),
+    "parse_config": ("acc_trainer.cli", "parse_config"),  # acc-trainer's flags, for a script of your own
+    "set_seed": ("accelerate.utils", "set_seed"),  # seeds Python, NumPy and torch on this process
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'acc_trainer' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _EXPORTS[name]
+    return getattr(importlib.import_module(module), attr)

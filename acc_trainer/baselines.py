@@ -22,10 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from .components import build_data, build_model
 from .config import TrainConfig
-from .data import build_data
 from .metrics import peak_memory_mb
-from .models import build_model
 from .optim import build_optimizer
 
 
@@ -39,7 +38,7 @@ def run(loop: str, cfg: TrainConfig, steps: int) -> dict:
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)
     data = build_data(cfg)
-    model = build_model(cfg.model, data).to(device)
+    model = build_model(cfg, data).to(device)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
     elif loop == "dp":

@@ -131,6 +131,30 @@ def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
     return state
 
 
+def parameter_shapes(model) -> dict[str, list[int]]:
+    """Every parameter's name and shape: what makes a checkpoint's weights fit a model."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def check_model(path: Path, state: dict, model) -> None:
+    """A checkpoint of another model is refused, whatever the options say (fit() and import paths name
+    a model by its class; its parameters are what must match)."""
+    saved = state.get("parameters")
+    if saved is None:  # written before checkpoints recorded them
+        return
+    here = parameter_shapes(model)
+    if saved == here:
+        return
+    differ = [f"{n} {saved[n]} in the checkpoint, {here[n]} here" for n in saved if n in here and saved[n] != here[n]]
+    only_saved, only_here = [n for n in saved if n not in here], [n for n in here if n not in saved]
+    detail = differ[:2]
+    if only_saved:
+        detail.append(f"{len(only_saved)} parameter(s) only in the checkpoint (e.g. {only_saved[0]})")
+    if only_here:
+        detail.append(f"{len(only_here)} parameter(s) only in this model (e.g. {only_here[0]})")
+    raise ConfigError(f"checkpoint {path} holds a different model: {'; '.join(detail)}")
+
+
 def load(accelerator: Accelerator, path: Path) -> None:
     """`accelerator.load_state`, with a damaged file reported as the user's problem, naming it."""
     try:

@@ -25,6 +25,8 @@ examples:
   acc-trainer                                          default job: LeNet on generated images, ~30 s on a laptop CPU
   acc-trainer --model linreg --dataset linear --optimizer sgd --lr 0.01 --batch-size 32 --epochs 10
   acc-trainer --model resnet18 --dataset cifar10 --data-dir data --image-size 224 --batch-size 512 --optimizer sgd
+  acc-trainer --model my_model:Net --model-args '{width: 64}' --dataset my_data:load      your own model and data
+  acc-trainer --model torchvision:resnet50 --dataset imagefolder --data-dir photos --image-size 224
   accelerate launch --multi_gpu --num_processes 2 -m acc_trainer ...        2 GPUs, or 2 CPU processes without a GPU
   accelerate launch --config_file accelerate_configs/cpu_ddp.yaml -m acc_trainer ...
 """
@@ -56,11 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
         parser.add_argument(flag, type=base, choices=f.metadata.get("choices"), metavar=_metavar(f, base),
-                            help=help_text)
+                            help=help_text.replace("%", "%%"))
     return parser
 
 
 def _metavar(f, base) -> str:
+    if "metavar" in f.metadata:
+        return f.metadata["metavar"]
     choices = f.metadata.get("choices")
     if choices:
         return "{" + ",".join(choices) + "}"

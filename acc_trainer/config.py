@@ -10,14 +10,18 @@ and exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+# The built-in names (the registries themselves, models.MODELS and data.DATASETS, import torch; a test
+# keeps these in step with them).
 MODELS = ("linreg", "mlp", "lenet", "convnet", "resnet18")
 DATASETS = ("synthetic", "linear", "fake", "cifar10", "cifar100", "imagefolder")
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("constant", "cosine", "step", "onecycle")
 PRECISIONS = ("no", "fp16", "bf16")
@@ -41,8 +45,24 @@ def _opt(default: Any, help: str, **meta: Any) -> Any:
 @dataclass
 class TrainConfig:
     # What to train.
-    model: str = _opt("lenet", "model to train", choices=MODELS)
-    dataset: str = _opt("synthetic", "dataset to train on", choices=DATASETS)
+    model: str = _opt(
+        "lenet", f"model: a built-in one ({', '.join(MODELS)}), torchvision:<name>, timm:<name>, or an import path "
+        "pkg.module:factory (a function or class returning an nn.Module)", metavar="NAME|PATH")
+    dataset: str = _opt(
+        "synthetic", f"dataset: a built-in one ({', '.join(DATASETS)}) or an import path pkg.module:factory "
+        "returning (train_dataset, eval_dataset)", metavar="NAME|PATH")
+    model_args: dict | None = _opt(
+        None, "keyword arguments for the model factory, a YAML/JSON mapping, e.g. '{width: 64, dropout: 0.1}' (a "
+        "num_classes parameter gets the data's number of classes unless set here)", metavar="MAPPING")
+    dataset_args: dict | None = _opt(None, "keyword arguments for the dataset factory, a YAML/JSON mapping",
+                                     metavar="MAPPING")
+    loss: str | None = _opt(
+        None, "loss: cross_entropy, mse, l1, smooth_l1, bce_with_logits, or pkg.module:function(outputs, targets) "
+        "(default: the model's own loss when its outputs carry one, else cross-entropy for class labels, MSE for "
+        "real-valued targets)", metavar="NAME|PATH")
+    metrics: list | None = _opt(
+        None, "evaluation metrics, comma-separated: accuracy, top5, mae, or pkg.module:function(outputs, targets) "
+        "returning one value per sample (default: accuracy for class labels)", metavar="NAMES")
     data_dir: str = _opt(
         "data",
         "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train/<class>/*, val/<class>/*)",
@@ -108,8 +128,8 @@ class TrainConfig:
     resume: str | None = _opt(
         None, "'auto': continue from the newest complete checkpoint in --output-dir; or a checkpoint folder"
     )
-    save_best: str | None = _opt(None, "keep the checkpoint with the best evaluation accuracy or loss",
-                                 choices=("accuracy", "loss"))
+    save_best: str | None = _opt(None, "keep the checkpoint with the best evaluation 'loss' or metric (e.g. accuracy; "
+                                 "lower is better for loss, mae and names ending in loss or error)", metavar="METRIC")
     skip_nonfinite: bool = _opt(
         False, "skip optimizer steps whose loss is NaN/inf (counted in the summary) instead of stopping"
     )
@@ -145,6 +165,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches"
             )
+        for name, builtins in (("model", MODELS), ("dataset", DATASETS)):
+            value = getattr(self, name)
+            if value not in builtins and not IMPORT_PATH.match(value):
+                raise ConfigError(f"unknown {name} {value!r}; choose from {', '.join(builtins)}, or give an import path "
+                                  f"pkg.module:factory" + (", torchvision:<name> or timm:<name>" if name == "model" else ""))
         self._checkpoint_parts()  # parses --checkpoint-every
         if self.nesterov and self.optimizer != "sgd":
             raise ConfigError("--nesterov applies to --optimizer sgd only")
@@ -240,6 +265,17 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
             if isinstance(value, (dict, list)):
                 raise TypeError
             return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"option {f.name!r} must be {base}, got {value!r}") from None
+        if base == "dict":  # a mapping in YAML, or its YAML/JSON text from the command line
+            parsed = yaml.safe_load(value) if isinstance(value, str) else value
+            if not isinstance(parsed, dict) or not all(isinstance(k, str) for k in parsed):
+                raise TypeError
+            return parsed
+        if base == "list":  # a YAML list, or comma-separated text
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise TypeError
+            return [i.strip() for i in items if i.strip()]
+    except (TypeError, ValueError, yaml.YAMLError):
+        kind = {"dict": "a mapping", "list": "a list of names"}.get(base, base)
+        raise ConfigError(f"option {f.name!r} must be {kind}, got {value!r}") from None
     return value

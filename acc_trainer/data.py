@@ -1,8 +1,10 @@
 """Datasets by name: generated ones for offline work, and torchvision's CIFAR and ImageFolder.
 
-Each builder returns a `Data`: the training and evaluation sets plus what the model and the loss
-need to know (task, number of classes, input shape). Builders are called by every process inside
-`accelerator.main_process_first()`, so a download happens once, on the main process.
+Each builder takes the run's `config` and returns a `Data`: the training and evaluation sets plus what
+the model and the loss need to know (task, number of classes, input shape). `DATASETS` is the registry
+components.py resolves `--dataset` names in, the same way it calls a user's dataset factory. Builders
+are called by every process inside `main_process_first()`, so a download happens once, on the main
+process.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python
 @dataclass
 class Data:
     train: Dataset
-    eval: Dataset
-    task: str  # "classification" or "regression"
-    num_classes: int | None  # None for regression
-    input_shape: tuple[int, ...]  # of one sample, e.g. (3, 32, 32) or (1,)
+    eval: Dataset | None  # None: no evaluation
+    task: str | None  # "classification" (integer targets), "regression" (real targets), None (no targets)
+    num_classes: int | None  # None for regression, or when the dataset does not say
+    input_shape: tuple[int, ...] | None  # of one sample, e.g. (3, 32, 32) or (1,); None for dict samples
 
 
 def torchvision():
@@ -104,12 +106,12 @@ def _maybe_resize(ds: InMemory, size: int, native: int) -> Dataset:
     return ds if size == native else Resized(ds, size)
 
 
-def synthetic(cfg: TrainConfig) -> Data:
+def synthetic(config: TrainConfig) -> Data:
     """A learnable 10-class set of 3x32x32 images: a smooth random prototype per class plus noise.
 
     Made from `--seed` alone, so every process builds the same samples without touching the disk.
     """
-    g = torch.Generator().manual_seed(cfg.seed)
+    g = torch.Generator().manual_seed(config.seed)
     coarse = torch.randn(NUM_SYNTHETIC_CLASSES, 3, 4, 4, generator=g)
     prototypes = F.interpolate(coarse, size=(32, 32), mode="bilinear", align_corners=False)
 
@@ -118,60 +120,60 @@ def synthetic(cfg: TrainConfig) -> Data:
         noise = torch.randn(n, 3, 32, 32, generator=g)
         return InMemory(prototypes[labels] * 0.15 + noise, labels)
 
-    size = _image_size(cfg)
-    train, eval_ = make(cfg.train_size), make(cfg.eval_size)
+    size = _image_size(config)
+    train, eval_ = make(config.train_size), make(config.eval_size)
     return Data(_maybe_resize(train, size, 32), _maybe_resize(eval_, size, 32), "classification",
                 NUM_SYNTHETIC_CLASSES, (3, size, size))
 
 
-def linear(cfg: TrainConfig) -> Data:
+def linear(config: TrainConfig) -> Data:
     """y = 2x + 3 + 0.1 * noise, the regression of the single-vs-DDP notebook."""
-    g = torch.Generator().manual_seed(cfg.seed)
+    g = torch.Generator().manual_seed(config.seed)
 
     def make(n: int) -> InMemory:
         x = torch.randn(n, 1, generator=g)
         return InMemory(x, 2 * x + 3 + 0.1 * torch.randn(n, 1, generator=g))
 
-    return Data(make(cfg.train_size), make(cfg.eval_size), "regression", None, (1,))
+    return Data(make(config.train_size), make(config.eval_size), "regression", None, (1,))
 
 
-def fake(cfg: TrainConfig) -> Data:
+def fake(config: TrainConfig) -> Data:
     """Random images and labels at the final size, for measuring throughput only (nothing to learn)."""
-    g = torch.Generator().manual_seed(cfg.seed)
-    size = _image_size(cfg)
+    g = torch.Generator().manual_seed(config.seed)
+    size = _image_size(config)
 
     def make(n: int) -> InMemory:
         return InMemory(torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g))
 
-    return Data(make(cfg.train_size), make(cfg.eval_size), "classification", 10, (3, size, size))
+    return Data(make(config.train_size), make(config.eval_size), "classification", 10, (3, size, size))
 
 
-def _image_transform(cfg: TrainConfig, mean, std, resize: bool):
+def _image_transform(config: TrainConfig, mean, std, resize: bool):
     transforms = torchvision().transforms
-    size = _image_size(cfg)
+    size = _image_size(config)
     steps = [transforms.Resize((size, size))] if resize else []
     return transforms.Compose([*steps, transforms.ToTensor(), transforms.Normalize(mean, std)])
 
 
-def _image_size(cfg: TrainConfig) -> int:
-    return cfg.image_size or 32
+def _image_size(config: TrainConfig) -> int:
+    return config.image_size or 32
 
 
-def cifar(cfg: TrainConfig) -> Data:
+def cifar(config: TrainConfig) -> Data:
     """CIFAR-10/100 through torchvision, from --data-dir in torchvision's layout (downloaded there if online)."""
-    cls = _cifar_class(cfg.dataset)
-    root = Path(cfg.data_dir)
-    mean, std = CIFAR_MEAN_STD[cfg.dataset]
-    tf = _image_transform(cfg, mean, std, resize=_image_size(cfg) != 32)
-    folder = root / CIFAR_FOLDERS[cfg.dataset]
+    cls = _cifar_class(config.dataset)
+    root = Path(config.data_dir)
+    mean, std = CIFAR_MEAN_STD[config.dataset]
+    tf = _image_transform(config, mean, std, resize=_image_size(config) != 32)
+    folder = root / CIFAR_FOLDERS[config.dataset]
     if not folder.is_dir():
-        _download_cifar(cls, root, cfg.dataset, folder)
+        _download_cifar(cls, root, config.dataset, folder)
     try:
         train = cls(root=str(root), train=True, transform=tf, download=False)
         eval_ = cls(root=str(root), train=False, transform=tf, download=False)
     except Exception as e:  # torchvision says "Dataset not found or corrupted" or fails to unpickle
-        raise ConfigError(f"{cfg.dataset} files in {folder} are incomplete or corrupted ({first_line(e)})") from None
-    return Data(train, eval_, "classification", len(train.classes), (3, _image_size(cfg), _image_size(cfg)))
+        raise ConfigError(f"{config.dataset} files in {folder} are incomplete or corrupted ({first_line(e)})") from None
+    return Data(train, eval_, "classification", len(train.classes), (3, _image_size(config), _image_size(config)))
 
 
 def _cifar_class(name: str):
@@ -203,14 +205,14 @@ def _download_cifar(cls, root: Path, name: str, folder: Path) -> None:
         ) from None
 
 
-def imagefolder(cfg: TrainConfig) -> Data:
+def imagefolder(config: TrainConfig) -> Data:
     """torchvision's ImageFolder on --data-dir/train and --data-dir/val, images resized to --image-size."""
     tv = torchvision()
-    root = Path(cfg.data_dir)
+    root = Path(config.data_dir)
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise ConfigError(f"imagefolder needs {root / split} with one sub-folder of images per class")
-    tf = _image_transform(cfg, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize=True)
+    tf = _image_transform(config, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), resize=True)
     try:
         train = tv.datasets.ImageFolder(str(root / "train"), transform=tf)
         eval_ = tv.datasets.ImageFolder(str(root / "val"), transform=tf)
@@ -220,7 +222,7 @@ def imagefolder(cfg: TrainConfig) -> Data:
         raise ConfigError(
             f"imagefolder {root}: train/ and val/ have different classes ({train.classes} vs {eval_.classes})"
         )
-    size = _image_size(cfg)
+    size = _image_size(config)
     return Data(train, eval_, "classification", len(train.classes), (3, size, size))
 
 
@@ -234,18 +236,16 @@ DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
 }
 
 
-def build_data(cfg: TrainConfig) -> Data:
-    data = DATASETS[cfg.dataset](cfg)
-    if len(data.eval) == 0:
-        raise ConfigError(f"the evaluation set of {cfg.dataset} is empty")
-    if len(data.train) < cfg.batch_size:
+def check_data(data: Data, batch_size: int, name: str) -> None:
+    if data.eval is not None and len(data.eval) == 0:
+        raise ConfigError(f"the evaluation set of {name} is empty")
+    if len(data.train) < batch_size:
         raise ConfigError(
-            f"the training set of {cfg.dataset} has {len(data.train)} samples, fewer than one global batch "
-            f"(--batch-size {cfg.batch_size})"
+            f"the training set of {name} has {len(data.train)} samples, fewer than one global batch "
+            f"(--batch-size {batch_size})"
         )
-    return data
 
 
-def steps_per_epoch(data: Data, cfg: TrainConfig) -> int:
+def steps_per_epoch(data: Data, config: TrainConfig) -> int:
     """Whole global batches per epoch; the last incomplete one is dropped so every step sees a full batch."""
-    return math.floor(len(data.train) / cfg.batch_size)
+    return math.floor(len(data.train) / config.batch_size)

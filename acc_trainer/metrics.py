@@ -96,33 +96,37 @@ def library_versions() -> dict:
     return versions
 
 
-def flops_per_sample(model: torch.nn.Module, sample: torch.Tensor) -> int:
-    """Training FLOPs of one sample (forward + backward) in matrix multiplies and convolutions.
+def flops_per_sample(model: torch.nn.Module, batch) -> int:
+    """Training FLOPs of one sample (forward + backward) in matrix multiplies and convolutions; `batch`
+    holds one sample, as the loader collates it.
 
     The same count torch.utils.flop_counter.FlopCounterMode gives (a test checks it on every model),
     from one forward pass of hooks on Linear and Conv layers: FlopCounterMode's first use costs a
     second of start-up. Per layer: forward F, weight gradient F, input gradient F unless the input
     needs none (the first layer)."""
+    from .tasks import forward
+
     total = 0
 
     def count(module, inputs, output):
         nonlocal total
         if isinstance(module, torch.nn.Linear):
-            forward = 2 * module.in_features * output.numel()
+            forward_flops = 2 * module.in_features * output.numel()
         else:  # ConvNd: every output value sums in_channels/groups x kernel products
             kernel = 1
             for k in module.kernel_size:
                 kernel *= k
-            forward = 2 * (module.in_channels // module.groups) * kernel * output.numel()
-        total += forward * (3 if inputs[0].requires_grad else 2)
+            forward_flops = 2 * (module.in_channels // module.groups) * kernel * output.numel()
+        total += forward_flops * (3 if inputs[0].requires_grad else 2)
 
     layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
     hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, layers)]
     was_training = model.training
     try:
         model.eval()  # BatchNorm statistics stay untouched; the FLOPs are the same
-        with torch.enable_grad():
-            model(sample[None])
+        # Only the main process counts: the random numbers a model may draw must stay in step.
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            forward(model, batch)
     finally:
         for hook in hooks:
             hook.remove()

@@ -1,4 +1,9 @@
-"""Models by name, with the architectures of the tutorials the package grew from."""
+"""Models by name, with the architectures of the tutorials the package grew from.
+
+`MODELS` is the registry components.py resolves `--model` names in: each factory takes the run's
+`data` (its task, number of classes and input shape), passed by name as a user's factory gets
+`num_classes` or `data`.
+"""
 
 from __future__ import annotations
 
@@ -114,10 +119,6 @@ MODELS: dict[str, Callable[[Data], nn.Module]] = {
     "convnet": convnet,
     "resnet18": resnet18,
 }
-
-
-def build_model(name: str, data: Data) -> nn.Module:
-    return MODELS[name](data)
 
 
 class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):

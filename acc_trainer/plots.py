@@ -14,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed, safe on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .progress import PERCENT_METRICS  # noqa: E402
+
 STYLE = {"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False,
          "axes.spines.right": False, "font.size": 10, "axes.titlesize": 11, "legend.frameon": False}
 
@@ -99,16 +101,18 @@ def plot_run(run: Path) -> list[Path]:
                       ylim=(0, 100))
             fig.suptitle(title, fontsize=10)
             written.append(_save(fig, folder / "time_split.png", rect=(0, 0.07, 1, 1)))
-        if evals:
-            has_accuracy = "eval_accuracy" in evals[0]
-            fig, axes = plt.subplots(1, 2 if has_accuracy else 1, figsize=(10 if has_accuracy else 6, 3.8),
-                                     squeeze=False)
+        if evals:  # one panel per evaluated quantity: the loss, then each metric by name
+            names = [k for k in evals[0] if k.startswith("eval_") and k != "eval_samples"]
+            names = ["eval_loss", *[k for k in names if k != "eval_loss"]]
+            fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names) + 1, 3.8), squeeze=False)
             eval_steps = [r["step"] for r in evals]
-            axes[0][0].plot(eval_steps, [r["eval_loss"] for r in evals], "o-", color="tab:orange")
-            axes[0][0].set(title="Evaluation loss", xlabel="optimizer step", ylabel="loss")
-            if has_accuracy:
-                axes[0][1].plot(eval_steps, [100 * r["eval_accuracy"] for r in evals], "o-", color="tab:green")
-                axes[0][1].set(title="Evaluation accuracy", xlabel="optimizer step", ylabel="accuracy (%)")
+            colors = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
+            for ax, key, color in zip(axes[0], names, colors * len(names)):
+                name = key[5:]
+                percent = name in PERCENT_METRICS
+                ax.plot(eval_steps, [(100 if percent else 1) * r[key] for r in evals], "o-", color=color)
+                ax.set(title=f"Evaluation {name}", xlabel="optimizer step",
+                       ylabel=f"{name} (%)" if percent else name)
             fig.suptitle(f"Evaluation ({evals[-1]['eval_samples']} samples each): {title}", fontsize=10)
             written.append(_save(fig, folder / "eval.png"))
     return written

@@ -82,6 +82,13 @@ def best_evaluation(evals: list[dict]) -> dict | None:
     return min(evals, key=lambda e: e["loss"])
 
 
+PERCENT_METRICS = ("accuracy", "top5")
+
+
+def format_metric(name: str, value: float) -> str:
+    return f"{name} {value:.2%}" if name in PERCENT_METRICS else f"{name} {value:.4g}"
+
+
 def summary_table(summary: dict, plots: list) -> Table:
     """The end-of-run table: results, speed, topology, and where the files are."""
     table = Table(title="acc_trainer: run summary", show_header=False, title_justify="left")
@@ -89,11 +96,15 @@ def summary_table(summary: dict, plots: list) -> Table:
     table.add_column(overflow="fold")
     final = summary["eval"]
     rows = [("run", f"{summary['model']} on {summary['dataset']}, {summary['steps']} steps, {summary['epochs']} epoch(s)")]
-    results = ([f"accuracy {final['accuracy']:.2%}"] if "accuracy" in final else []) + [f"loss {final['loss']:.4f}"]
-    rows.append(("final evaluation", ", ".join(results) + f" on {summary['eval_samples']} samples"))
-    best = best_evaluation(summary["evals"])
-    value = f"accuracy {best['accuracy']:.2%}" if "accuracy" in best else f"loss {best['loss']:.4f}"
-    rows.append(("best evaluation", f"{value} at step {best['step']}"))
+    if final:
+        results = [format_metric(k, v) for k, v in final.items() if k != "loss"] + [f"loss {final['loss']:.4f}"]
+        rows.append(("final evaluation", ", ".join(results) + f" on {summary['eval_samples']} samples"))
+        best = best_evaluation(summary["evals"])
+        value = format_metric("accuracy", best["accuracy"]) if "accuracy" in best else f"loss {best['loss']:.4f}"
+        rows.append(("best evaluation", f"{value} at step {best['step']}"))
+    else:
+        rows.append(("evaluation", "none (no evaluation set)"))
+    rows.append(("loss", summary.get("loss_function") or "-"))
     if summary.get("learned"):
         rows.append(("learned", f"weight {summary['learned']['weight']:.4f}, bias {summary['learned']['bias']:.4f}"))
     speed = f"{summary['samples_per_s']:,.0f} samples/s" if summary["samples_per_s"] else "-"

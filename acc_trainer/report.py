@@ -16,7 +16,7 @@ from rich.table import Table
 from .cli import Parser
 from .config import ConfigError
 from .plots import plot_comparison, read_metrics
-from .progress import best_evaluation, make_console
+from .progress import best_evaluation, format_metric, make_console
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +42,7 @@ def load_run(path: Path) -> dict:
     train, evals = read_metrics(path)  # a run stopped before its end: what it logged
     last = evals[-1] if evals else {}
     return {"stopped": True, "steps": train[-1]["step"] if train else 0,
-            "eval": {k[5:]: v for k, v in last.items() if k in ("eval_accuracy", "eval_loss")}}
+            "eval": {k[5:]: v for k, v in last.items() if k.startswith("eval_") and k != "eval_samples"}}
 
 
 def report(runs: list[Path], labels: list[str], output: Path, console: Console | None = None) -> Table:
@@ -50,10 +50,10 @@ def report(runs: list[Path], labels: list[str], output: Path, console: Console |
     summaries = [load_run(run) for run in runs]
     table = Table(title="acc_trainer runs")
     for column in ("run", "model / data", "processes", "precision", "steps", "accuracy", "eval loss",
-                   "best", "wall time", "samples/s"):
+                   "other metrics", "best", "wall time", "samples/s"):
         table.add_column(column, justify="left" if column in ("run", "model / data") else "right")
     for label, s in zip(labels, summaries):
-        final = s.get("eval", {})
+        final = s.get("eval") or {}
         best = _best(s)
         table.add_row(
             label,
@@ -63,6 +63,7 @@ def report(runs: list[Path], labels: list[str], output: Path, console: Console |
             str(s.get("steps", "?")),
             f"{final['accuracy']:.2%}" if "accuracy" in final else "-",
             f"{final['loss']:.4f}" if "loss" in final else "-",
+            ", ".join(format_metric(k, v) for k, v in final.items() if k not in ("accuracy", "loss")) or "-",
             best,
             f"{s['wall_time_s']:.1f} s" if "wall_time_s" in s else "-",
             f"{s['samples_per_s']:,.0f}" if s.get("samples_per_s") else "-",

@@ -1,11 +1,13 @@
 """The training loop: one function, the same on a CPU, one GPU, many GPUs and many machines.
 
-Read `train()` top to bottom. Accelerate does every distributed step, each one visible here:
+`train(config)` trains what the options name (built-in names or import paths, resolved in
+components.py); `fit(model, train_data, ...)` trains a user's own objects. Both end in `run()`, the
+loop: read it top to bottom. Accelerate does every distributed step, each one visible here:
 `Accelerator(...)` picks devices, processes and precision; `prepare` wraps the model (DDP when
 there are several processes, or FSDP / DeepSpeed when the accelerate config selects them: see
 engines.py), the optimizer, the scheduler and the data loaders (each process gets
 its slice of every global batch); `accumulate` + `backward` handle gradient accumulation and
-loss scaling; `gather_for_metrics` collects evaluation outputs from every process exactly once;
+loss scaling; `gather_for_metrics` tells evaluation which samples are real on every process;
 `save_model` writes the final weights from the main process.
 
 How batches are counted: `--batch-size` is the GLOBAL batch of one optimizer step. The training
@@ -18,51 +20,76 @@ optimizer steps whatever the topology.
 from __future__ import annotations
 
 import math
+import re
 import signal
+import sys
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs, PartialState
-from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, broadcast_object_list, set_seed
+from accelerate.utils import (ProjectConfiguration, TorchDynamoPlugin, broadcast, broadcast_object_list,
+                              find_batch_size, recursively_apply, set_seed)
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, RandomSampler
 
-from .checkpoints import BEST, Checkpoints, find_resume, read_state
+from . import components, engines, speedups
+from .checkpoints import BEST, Checkpoints, check_model, find_resume, parameter_shapes, read_state
 from .checkpoints import load as load_checkpoint
-from .config import ConfigError, TrainConfig
-from .data import Data, IndexBatches, InMemory, build_data, steps_per_epoch
+from .components import Workload, first_samples
+from .config import ConfigError, TrainConfig, make_config
+from .data import Data, IndexBatches, InMemory, steps_per_epoch
 from .metrics import RunFiles, device_peak_flops, fingerprint, flops_per_sample, library_versions, peak_memory_mb
-from .models import build_model, sync_batchnorm
-from . import engines, speedups
+from .models import sync_batchnorm
 from .optim import build_optimizer, build_scheduler
-from .progress import Progress, summary_table
+from .progress import Progress, format_metric, summary_table
 from .stopping import IntervalLosses, StopSignals, TrainingStopped
+from .tasks import forward
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train as `cfg` says; every process calls this. Returns the run summary (also in summary.json).
+    """Train what `cfg` names; every process calls this. Returns the run summary (also in summary.json).
 
     Raises ConfigError for bad input and TrainingStopped when a signal or a NaN/inf loss stops the run.
     """
     cfg.validate()
+    _start_processes(cfg)
+    set_seed(cfg.seed)  # the same initial weights and generated data on every process
+    return run(cfg, components.build_workload(cfg))
+
+
+def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, config: TrainConfig | None = None,
+        **options) -> dict:
+    """Train `model` (a plain nn.Module) on `train_data`, evaluating on `eval_data` after every epoch.
+
+    Datasets are map-style and yield `(inputs, targets)` or dicts of tensors (the model is then
+    called as `model(**batch)`, targets are `batch["labels"]`). `loss`: a function
+    `loss(outputs, targets) -> scalar` or a built-in name; None uses the model's own loss when its
+    outputs carry one, else cross-entropy for integer targets and MSE for real ones. `metrics`: a dict
+    of name -> `metric(outputs, targets)` (one value per sample) or built-in names. `options` are
+    TrainConfig fields (`epochs=3, batch_size=256, ...`), applied over `config`. Every process of a
+    launch calls this with the same arguments; returns the run summary.
+    """
+    values = config.to_dict() if config is not None else {}
+    fields = set(TrainConfig.__dataclass_fields__)
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ConfigError(f"fit: unknown option {unknown[0]!r} (options are TrainConfig fields, e.g. epochs, batch_size)")
+    values.update(options)
+    values["model"], values["dataset"] = components.qualified_name(model), components.qualified_name(train_data)
+    cfg = make_config(values)
+    return run(cfg, components.from_objects(model, train_data, eval_data, loss, metrics))
+
+
+def run(cfg: TrainConfig, job: Workload) -> dict:
+    """The training loop, on the objects of `job`: the model, the data, the loss and the metrics."""
     started = time.perf_counter()
     speedups.apply()
-    # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
-    # form one gloo group (MULTI_CPU) instead of running as independent copies.
-    cpu = cfg.cpu or not torch.cuda.is_available()
-    engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
-    if engine == "DEEPSPEED":
-        engines.check_deepspeed(cfg)
-        cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
-    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
-    # The process group comes first (Accelerate's PartialState), so that the main process can name
-    # the run folder for everyone before the Accelerator, whose trackers write there, is created.
-    state = PartialState(cpu=cpu, **timeout.to_kwargs())
+    state, engine, cpu, timeout = _start_processes(cfg)
     _check_topology(cfg, state)
-    out = _output_dir(cfg)
+    out = _output_dir(cfg, job)
     resume = find_resume(cfg, out)
     resumed = read_state(resume, cfg, state.num_processes, engine) if resume else None
     if torch.cuda.is_available():  # TF32 tensor cores for float32 matmuls and convolutions (Ampere on)
@@ -84,12 +111,17 @@ def train(cfg: TrainConfig) -> dict:
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
 
-    # Same seed on every process: identical initial weights, identical generated data.
-    set_seed(cfg.seed)
-    data = _prepare_data(cfg, accelerator)
-    model = build_model(cfg.model, data)
+    set_seed(cfg.seed)  # dropout and every other random number of the run start from --seed
+    model, data = job.model, job.data
+    if resumed:
+        check_model(resume, resumed, model)
+    # One sample through the model, the loss and the metrics, before anything is written.
+    loss_fn, loss_name, metrics = components.check_fit(job)
+    _check_save_best(cfg, metrics, data)
+    shapes = parameter_shapes(model)
     # Counted on the main process only, so before BatchNorm layers become collective (--sync-bn).
-    flops = flops_per_sample(model, data.train[0][0]) if accelerator.is_main_process else 0
+    flops = flops_per_sample(model, first_samples(data.train, 1)) if accelerator.is_main_process else 0
+    notes = _same_initial_weights(accelerator, model)
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
@@ -109,7 +141,6 @@ def train(cfg: TrainConfig) -> dict:
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
-    loss_fn = F.cross_entropy if data.task == "classification" else F.mse_loss
 
     # Where the run starts: step 0, or a checkpoint's step with its RNGs, optimizer and schedule.
     step, skipped, evals, best = 0, 0, [], None
@@ -130,7 +161,7 @@ def train(cfg: TrainConfig) -> dict:
         # Everything besides save_state's files that the rest of the run depends on (all processes
         # call this). The position in the data is the step: every epoch has exactly `per_epoch` steps.
         return {"step": step, "skipped_steps": skipped, "evals": evals, "best": best, "world_size": world,
-                "engine": engine,
+                "engine": engine, "parameters": shapes,
                 "losses": losses.state(accelerator), "config": cfg.to_dict()}
 
     def save_checkpoint(name: str | None = None) -> None:
@@ -150,15 +181,18 @@ def train(cfg: TrainConfig) -> dict:
 
     progress = Progress(cfg.progress, accelerator.is_main_process, total_steps, epochs, per_epoch)
     progress.print(
-        f"[bold]acc_trainer[/] {cfg.model} on {cfg.dataset}: {world} process(es) "
+        f"[bold]acc_trainer[/] {job.model_name} on {job.dataset_name}: {world} process(es) "
         f"({accelerator.distributed_type.value}, {accelerator.device.type}), precision {accelerator.mixed_precision}, "
         f"global batch {cfg.batch_size} = {world} x {cfg.grad_accum} x {per_process_batch}, "
         f"{total_steps} steps" + (f", resuming at step {step} from {resume}" if resumed else "")
     )
+    for note in notes:
+        progress.print(note)
 
     logged_step, train_time, data_time = step, 0.0, 0.0
     checkpoint_steps = cfg.checkpoint_steps  # parsed once, not in every step
-    with progress, StopSignals(accelerator) as signals, files.plots_if_stopped():
+    where = lambda: f"epoch {epoch + 1}, after optimizer step {step}, process {accelerator.process_index} of {world}"
+    with progress, StopSignals(accelerator) as signals, files.plots_if_stopped(), _naming_the_step(where):
         interval_start, data_wait = time.perf_counter(), 0.0
         # A checkpoint at the very end (after the final evaluation) leaves nothing to train.
         for epoch in range(step // per_epoch if step < total_steps else epochs, epochs):
@@ -169,11 +203,12 @@ def train(cfg: TrainConfig) -> dict:
             batches = accelerator.skip_first_batches(train_loader, seen) if seen else train_loader
             batches.set_epoch(epoch)
             batch_ready = time.perf_counter()
-            for inputs, targets in batches:
+            for batch in batches:
                 data_wait += time.perf_counter() - batch_ready
-                inputs = model_inputs(inputs, cfg.channels_last, input_dtype)
+                batch = model_inputs(batch, cfg.channels_last, input_dtype)
                 with accelerator.accumulate(model):
-                    loss = loss_fn(model(inputs), targets)
+                    outputs, targets = forward(model, batch)
+                    loss = loss_fn(outputs, targets)
                     accelerator.backward(loss)
                     losses.add(loss)  # on the device; read back only at log steps and checkpoints
                     if accelerator.sync_gradients:
@@ -226,15 +261,16 @@ def train(cfg: TrainConfig) -> dict:
                 stop_if_signalled(check=step % cfg.log_every == 0)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             eval_start = time.perf_counter()
-            metrics = evaluate(accelerator, model, eval_loader, data.task, cfg.channels_last, input_dtype)
-            evals.append({"step": step, "epoch": epoch + 1, **metrics})
-            files.log({"step": step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in metrics.items()}})
-            if cfg.log_with:
-                accelerator.log({f"eval/{k}": v for k, v in metrics.items() if k != "samples"}, step=step)
-            progress.print(f"epoch {epoch + 1}/{epochs}: " + _format_eval(metrics))
-            if cfg.save_best and _improves(cfg.save_best, metrics, best):
-                best = {"step": step, "metric": cfg.save_best, "value": metrics[cfg.save_best]}
-                save_checkpoint(BEST)
+            if eval_loader is not None:
+                results = evaluate(accelerator, model, eval_loader, loss_fn, metrics, cfg.channels_last, input_dtype)
+                evals.append({"step": step, "epoch": epoch + 1, **results})
+                files.log({"step": step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in results.items()}})
+                if cfg.log_with:
+                    accelerator.log({f"eval/{k}": v for k, v in results.items() if k != "samples"}, step=step)
+                progress.print(f"epoch {epoch + 1}/{epochs}: " + _format_eval(results))
+                if cfg.save_best and _improves(cfg.save_best, results, best):
+                    best = {"step": step, "metric": cfg.save_best, "value": results[cfg.save_best]}
+                    save_checkpoint(BEST)
             if cfg.checkpoint_epochs or (checkpoint_steps and step % checkpoint_steps == 0):
                 save_checkpoint()
             interval_start += time.perf_counter() - eval_start  # evaluation is not training time
@@ -243,10 +279,12 @@ def train(cfg: TrainConfig) -> dict:
     ranks_agree = ranks_agree and check_ranks_agree(accelerator, model, "final")
     accelerator.wait_for_everyone()
     accelerator.save_model(model, out)
-    final = evals[-1]
+    final = evals[-1] if evals else None
     summary = {
-        "model": cfg.model,
-        "dataset": cfg.dataset,
+        "model": job.model_name,
+        "dataset": job.dataset_name,
+        "loss_function": loss_name,
+        "metrics": list(metrics),
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
         "device": accelerator.device.type,
@@ -258,8 +296,8 @@ def train(cfg: TrainConfig) -> dict:
         "skipped_steps": skipped,
         "epochs": epochs,
         "train_samples": step * cfg.batch_size,
-        "eval": {k: v for k, v in final.items() if k not in ("samples", "step", "epoch")},
-        "eval_samples": final["samples"],
+        "eval": {k: v for k, v in final.items() if k not in ("samples", "step", "epoch")} if final else None,
+        "eval_samples": final["samples"] if final else 0,
         "evals": evals,
         "best": best,
         "resumed_from": str(resume) if resume else None,
@@ -290,7 +328,8 @@ def train(cfg: TrainConfig) -> dict:
         from .plots import plot_run  # matplotlib: 0.4 s to import, needed only here
 
         plots = plot_run(out)
-    progress.print(f"[bold]final[/] {_format_eval(final)}; {summary['samples_per_s'] or 0:,.0f} samples/s; "
+    progress.print(f"[bold]final[/] {_format_eval(final) if final else 'no evaluation set'}; "
+                   f"{summary['samples_per_s'] or 0:,.0f} samples/s; "
                    f"run files in {out}")
     progress.print(summary_table(summary, plots))
     accelerator.end_training()
@@ -304,8 +343,9 @@ def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
                                    non_blocking=True)  # copies from pinned memory overlap the GPU's work
 
 
-def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) -> tuple[DataLoader, DataLoader]:
-    """The training loader yields global micro-batches; the evaluation loader `--eval-batch-size` per process."""
+def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) -> tuple[DataLoader, DataLoader | None]:
+    """The training loader yields global micro-batches; the evaluation loader `--eval-batch-size` per process
+    (None without an evaluation set)."""
     per_epoch = steps_per_epoch(data, cfg)
     # Exactly `per_epoch` whole global batches per epoch (the first per_epoch x batch_size indices of
     # each epoch's permutation): no partial step and no partial accumulation on any topology.
@@ -316,64 +356,107 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) ->
         batching = {"batch_sampler": IndexBatches(sampler, micro_batch), "collate_fn": InMemory.collate}
     else:
         batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True}
+    # Each loader draws its workers' base seed from a generator of its own at every iteration, not from
+    # the global RNG: a resumed run starts a new iteration mid-epoch, which would shift every random
+    # number the model draws after it (dropout) against the uninterrupted run.
     train_loader = DataLoader(data.train, num_workers=cfg.num_workers, pin_memory=pin_memory,
-                              persistent_workers=cfg.num_workers > 0, **batching)
+                              persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed),
+                              **batching)
+    if data.eval is None:
+        return train_loader, None
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
     eval_loader = DataLoader(data.eval, batch_size=per_process * world, shuffle=False, num_workers=cfg.num_workers,
-                             pin_memory=pin_memory, collate_fn=InMemory.collate if isinstance(data.eval, InMemory) else None)
+                             pin_memory=pin_memory, generator=torch.Generator().manual_seed(cfg.seed),
+                             collate_fn=InMemory.collate if isinstance(data.eval, InMemory) else None)
     return train_loader, eval_loader
 
 
-def evaluate(accelerator: Accelerator, model, loader, task: str, channels_last: bool = False,
+def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, channels_last: bool = False,
              input_dtype: torch.dtype | None = None) -> dict:
-    """Metrics over the whole evaluation set, each sample counted once whatever the number of processes.
+    """The loss and every metric over the whole evaluation set, each sample counted once whatever the
+    number of processes, and nothing but running sums kept (never the whole set's outputs).
 
-    The loader pads its last batch so that every process gets the same number of samples;
-    `gather_for_metrics` drops that padding again.
+    Accelerate pads the last batch so that every process gets as many samples; `gather_for_metrics`
+    drops that padding, so gathering each process's own index through it says how many of its samples
+    are real. Only those are passed through the model (every process still makes one call, as FSDP
+    needs), and each batch's loss and per-sample metrics are weighted by that count.
     """
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    correct = torch.zeros((), dtype=torch.int64, device=accelerator.device)
-    count = 0
+    totals = torch.zeros(len(metrics) + 2, dtype=torch.float64, device=accelerator.device)  # loss, metrics, count
     with torch.no_grad():
-        for inputs, targets in loader:
-            inputs = model_inputs(inputs, channels_last, input_dtype)
-            outputs, targets = accelerator.gather_for_metrics((model(inputs), targets))
-            outputs = outputs.float()
-            if task == "classification":
-                loss_sum += F.cross_entropy(outputs, targets, reduction="sum").double()
-                correct += (outputs.argmax(dim=1) == targets).sum()
-            else:
-                loss_sum += F.mse_loss(outputs, targets, reduction="sum").double() / outputs[0].numel()
-            count += len(targets)
+        for batch in loader:
+            batch = model_inputs(batch, channels_last, input_dtype)
+            size = find_batch_size(batch)
+            real = _real_samples(accelerator, size)
+            if real < size:
+                batch = recursively_apply(lambda t: t[: max(real, 1)], batch)
+            outputs, targets = forward(model, batch)
+            if real == 0:
+                continue
+            values = [loss_fn(outputs, targets), *(metric(outputs, targets) for metric in metrics.values())]
+            totals += torch.stack([_sample_sum(v, real) for v in values] + [totals.new_tensor(real)])
     model.train()
-    metrics = {"loss": loss_sum.item() / count, "samples": count}
-    if task == "classification":
-        metrics["accuracy"] = correct.item() / count
-    return metrics
+    totals = accelerator.reduce(totals, "sum").tolist()
+    count = int(totals[-1])
+    return {"loss": totals[0] / count, **{name: total / count for name, total in zip(metrics, totals[1:-1])},
+            "samples": count}
 
 
-def model_inputs(inputs: torch.Tensor, channels_last: bool, dtype: torch.dtype | None) -> torch.Tensor:
-    """A batch as the model takes it: NHWC memory for --channels-last, the weights' dtype under DeepSpeed."""
-    if channels_last and inputs.dim() == 4:
-        inputs = inputs.contiguous(memory_format=torch.channels_last)
-    if dtype is not None and inputs.is_floating_point():
-        inputs = inputs.to(dtype)
-    return inputs
+def _real_samples(accelerator: Accelerator, size: int) -> int:
+    if not accelerator.gradient_state.end_of_dataloader:
+        return size  # only the last batch is padded
+    owner = torch.full((size,), accelerator.process_index, device=accelerator.device)
+    return int((accelerator.gather_for_metrics(owner) == accelerator.process_index).sum())
 
 
-def _prepare_data(cfg: TrainConfig, accelerator: Accelerator) -> Data:
-    # The main process goes first (and downloads, if it must); the others then read its files. An
-    # error is raised only after the context, so that no process is left waiting at its barrier.
-    error = None
-    with accelerator.main_process_first():
-        try:
-            data = build_data(cfg)
-        except ConfigError as e:
-            error = e
-    if error is not None:
-        raise error
-    return data
+def _sample_sum(value: torch.Tensor, samples: int) -> torch.Tensor:
+    """A batch's total over its samples: a scalar is the batch's mean, a vector holds one value per sample."""
+    value = value.detach().double()
+    return value * samples if value.dim() == 0 else value.reshape(samples, -1).mean(dim=1).sum()
+
+
+def model_inputs(batch, channels_last: bool, dtype: torch.dtype | None):
+    """A batch as the model takes it: NHWC images for --channels-last, floating inputs in the weights'
+    dtype under DeepSpeed. Targets (the pair's second item, a dict's labels) stay as they are."""
+    if not channels_last and dtype is None:
+        return batch
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if channels_last and t.dim() == 4:
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    if isinstance(batch, dict):
+        return {k: v if k == "labels" else recursively_apply(convert, v) for k, v in batch.items()}
+    inputs, targets = batch
+    return [recursively_apply(convert, inputs), targets]
+
+
+def _start_processes(cfg: TrainConfig) -> tuple[PartialState, str, bool, InitProcessGroupKwargs]:
+    """The process group (Accelerate's PartialState, a singleton: calling this again returns the same),
+    the engine the accelerate config selects, and whether to run on the CPU."""
+    # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
+    # form one gloo group (MULTI_CPU) instead of running as independent copies.
+    cpu = cfg.cpu or not torch.cuda.is_available()
+    engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
+    if engine == "DEEPSPEED":
+        engines.check_deepspeed(cfg)
+        cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
+    return PartialState(cpu=cpu, **timeout.to_kwargs()), engine, cpu, timeout
+
+
+def _same_initial_weights(accelerator: Accelerator, model) -> list[str]:
+    """A model built outside the trainer (fit(), or a factory drawing from another generator) may start
+    from different weights on each process: all then start from process 0's, as DDP would make them
+    (FSDP would not). Returns the note to print."""
+    if accelerator.num_processes == 1 or _ranks_equal(accelerator, model):
+        return []
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.copy_(broadcast(tensor.detach().to(accelerator.device), from_process=0))
+    return ["note: the model's initial weights differed between processes (build it after seeding, e.g. "
+            "accelerate.utils.set_seed); every process starts from process 0's"]
 
 
 def _check_topology(cfg: TrainConfig, state: PartialState) -> None:
@@ -385,7 +468,7 @@ def _check_topology(cfg: TrainConfig, state: PartialState) -> None:
         )
 
 
-def _output_dir(cfg: TrainConfig) -> Path:
+def _output_dir(cfg: TrainConfig, job: Workload) -> Path:
     if cfg.output_dir:
         out = Path(cfg.output_dir)
     elif cfg.resume not in (None, "auto"):  # <run>/checkpoints/<checkpoint>
@@ -393,7 +476,8 @@ def _output_dir(cfg: TrainConfig) -> Path:
     elif cfg.resume == "auto":
         raise ConfigError("--resume auto needs the --output-dir of the run to continue")
     else:  # the main process names it, so that every process writes to the same folder
-        name = [f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model}-{cfg.dataset}"]
+        labels = [re.sub(r"[^\w.-]+", "_", name.rpartition(":")[2]) for name in (job.model_name, job.dataset_name)]
+        name = [f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{labels[0]}-{labels[1]}"]
         broadcast_object_list(name)
         out = Path(name[0])
     if out.exists() and not out.is_dir():
@@ -427,17 +511,50 @@ def check_ranks_agree(accelerator: Accelerator, model, when: str) -> bool:
     if when != "initial" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
         return True
     # Before `prepare` the model is plain; unwrapping it anyway would import torch._dynamo (~1 s).
-    plain = model if when == "initial" else accelerator.unwrap_model(model)
-    prints = accelerator.gather(fingerprint(plain).to(accelerator.device)[None])
-    if not bool((prints == prints[0]).all()):
+    if not _ranks_equal(accelerator, model if when == "initial" else accelerator.unwrap_model(model)):
         raise RuntimeError(f"the {when} parameters differ between processes")
     return True
+
+
+def _ranks_equal(accelerator: Accelerator, model) -> bool:
+    prints = accelerator.gather(fingerprint(model).to(accelerator.device)[None])
+    return bool((prints == prints[0]).all())
+
+
+LOWER_IS_BETTER = re.compile(r"(^|_)(loss|error|mae|mse)$")
 
 
 def _improves(metric: str, metrics: dict, best: dict | None) -> bool:
     if best is None:
         return True
-    return metrics[metric] > best["value"] if metric == "accuracy" else metrics[metric] < best["value"]
+    lower = LOWER_IS_BETTER.search(metric)
+    return metrics[metric] < best["value"] if lower else metrics[metric] > best["value"]
+
+
+def _check_save_best(cfg: TrainConfig, metrics: dict, data: Data) -> None:
+    if cfg.save_best is None:
+        return
+    if data.eval is None:
+        raise ConfigError("--save-best needs an evaluation set")
+    if cfg.save_best != "loss" and cfg.save_best not in metrics:
+        raise ConfigError(f"--save-best {cfg.save_best}: the run evaluates {', '.join(['loss', *metrics])}")
+
+
+@contextmanager
+def _naming_the_step(where):
+    """An error from the user's code (model, loss, metric, dataset) keeps its traceback, with where it
+    happened added: it is theirs to fix. The trainer's own errors pass through as they are."""
+    try:
+        yield
+    except (ConfigError, TrainingStopped):
+        raise
+    except Exception as e:
+        note = f"acc_trainer: raised in {where()}"
+        if hasattr(e, "add_note"):
+            e.add_note(note)
+        else:  # Python 3.10
+            print(note, file=sys.stderr)
+        raise
 
 
 def _nonfinite_message(step: int, last: Path | None) -> str:
@@ -450,7 +567,7 @@ def _tracker_config(cfg: TrainConfig) -> dict:
 
 
 def _format_eval(metrics: dict) -> str:
-    text = f"eval loss {metrics['loss']:.4f}"
-    if "accuracy" in metrics:
-        text += f", accuracy {metrics['accuracy']:.2%}"
-    return text + f" on {metrics['samples']} samples"
+    parts = [f"eval loss {metrics['loss']:.4f}"]
+    parts += [format_metric(name, value) for name, value in metrics.items()
+              if name not in ("loss", "samples", "step", "epoch")]
+    return ", ".join(parts) + f" on {metrics['samples']} samples"

@@ -56,8 +56,8 @@ def main() -> None:
 
         synthetic = data.DATASETS["synthetic"]
 
-        def poisoned(cfg):
-            made = synthetic(cfg)
+        def poisoned(config):
+            made = synthetic(config)
             made.train.tensors[0][args.poison] = float("nan")
             return made
 

@@ -147,8 +147,8 @@ def test_skip_nonfinite_steps_are_skipped_and_counted(train_in_process, monkeypa
 
     synthetic = data.DATASETS["synthetic"]
 
-    def poisoned(cfg):
-        made = synthetic(cfg)
+    def poisoned(config):
+        made = synthetic(config)
         made.train.tensors[0][500] = float("inf")  # in one step of the epoch
         return made
 
@@ -275,20 +275,20 @@ def test_best_checkpoint_and_final_weights(train_in_process):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
+    from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
-    from acc_trainer.data import build_data
-    from acc_trainer.models import build_model
+    from acc_trainer.tasks import METRICS, cross_entropy
     from acc_trainer.train import build_loaders, dataloader_config, evaluate
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     cfg = make_config({"model": "mlp", "train_size": 1024, "eval_size": 300, "batch_size": 64})
     data = build_data(cfg)
-    model = build_model("mlp", data)
+    model = build_model(cfg, data)
     model.load_state_dict(load_file(f"{out}/model.safetensors"))
     accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cfg))
     _, loader = build_loaders(cfg, data, 1, pin_memory=False)
     model, loader = accelerator.prepare(model, loader)
-    metrics_again = evaluate(accelerator, model, loader, "classification")
+    metrics_again = evaluate(accelerator, model, loader, cross_entropy, {"accuracy": METRICS["accuracy"]})
     assert metrics_again["accuracy"] == s["eval"]["accuracy"] and metrics_again["samples"] == 300
     assert math.isclose(metrics_again["loss"], s["eval"]["loss"], rel_tol=1e-12)

@@ -38,10 +38,9 @@ def test_default_job_learns_and_leaves_its_files(tmp_path):
     assert parse_config(["--config", str(run_dir / "config.yaml")]).to_dict() == resolved
 
     # Final weights: saved once, and they load into a freshly built model of the same name.
-    from acc_trainer.data import build_data
-    from acc_trainer.models import build_model
+    from acc_trainer.components import build_data, build_model
 
-    model = build_model("lenet", build_data(TrainConfig()))
+    model = build_model(TrainConfig(), build_data(TrainConfig()))
     weights = load_file(run_dir / "model.safetensors")
     assert set(weights) == set(model.state_dict())
     model.load_state_dict(weights)
@@ -79,8 +78,8 @@ def _existing_run(tmp_path: Path) -> Path:
 
 
 BAD_INPUTS = [
-    (["--model", "transformer"], "invalid choice: 'transformer'"),
-    (["--dataset", "mnist"], "invalid choice: 'mnist'"),
+    (["--model", "transformer"], "unknown model 'transformer'; choose from linreg, mlp"),
+    (["--dataset", "mnist"], "unknown dataset 'mnist'; choose from synthetic"),
     (["--batch-size", "0"], "--batch-size must be positive, got 0"),
     (["--epochs", "-1"], "--epochs must be positive, got -1"),
     (["--train-size", "0"], "--train-size must be positive"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from acc_trainer.config import ConfigError, TrainConfig
-from acc_trainer.data import build_data
+from acc_trainer.components import build_data
 from conftest import check
 
 

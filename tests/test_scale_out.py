@@ -92,10 +92,10 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000010"
     assert (checkpoint / shards).exists()
     from acc_trainer.data import Data
-    from acc_trainer.models import build_model
+    from acc_trainer.models import mlp
 
     final, reference = load_file(tmp_path / "run" / "model.safetensors"), load_file(plain_run / "model.safetensors")
-    build_model("mlp", Data(None, None, "classification", 10, (3, 32, 32))).load_state_dict(final)  # strict
+    mlp(Data(None, None, "classification", 10, (3, 32, 32))).load_state_dict(final)  # strict
     assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
 
     # Resumed from the step-10 checkpoint, the run ends with exactly the same weights.

@@ -107,13 +107,12 @@ def test_two_processes_end_with_the_parameters_of_one(runs, name):
 def max_difference_from_initial(run: Path, options: dict) -> float:
     from accelerate.utils import set_seed
 
+    from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
-    from acc_trainer.data import build_data
-    from acc_trainer.models import build_model
 
     cfg = make_config(options)
     set_seed(cfg.seed)  # as the trainer does before building the model
-    initial = build_model(cfg.model, build_data(cfg)).state_dict()
+    initial = build_model(cfg, build_data(cfg)).state_dict()
     final = load_file(run / "model.safetensors")
     return max((final[k] - initial[k]).abs().max().item() for k in final)
 

@@ -23,9 +23,10 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from torch.utils.data import TensorDataset
 
+from acc_trainer.components import build_data, build_model
 from acc_trainer.config import make_config
-from acc_trainer.data import Data, build_data
-from acc_trainer.models import build_model
+from acc_trainer.data import Data
+from acc_trainer.tasks import METRICS, cross_entropy
 from acc_trainer.train import build_loaders, check_ranks_agree, dataloader_config, evaluate, train
 
 # One process group serves every job of the launch; a fresh Accelerator per job.
@@ -73,17 +74,19 @@ def run_eval(job: dict) -> dict:
             accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cfg))
             data = build_data(cfg)
             torch.manual_seed(0)
-            model = build_model("mlp", data)
+            model = build_model(cfg, data)
             _, eval_loader = build_loaders(cfg, data, accelerator.num_processes, pin_memory=False)
             model, eval_loader = accelerator.prepare(model, eval_loader)
-            results[f"{size}/{batch}"] = evaluate(accelerator, model, eval_loader, "classification")
+            results[f"{size}/{batch}"] = evaluate(accelerator, model, eval_loader, cross_entropy,
+                                                  {"accuracy": METRICS["accuracy"]})
     return results
 
 
 def run_disagree(job: dict) -> dict:
     """The trainer's rank check, on weights that differ on one process only."""
     accelerator = Accelerator(cpu=True)
-    model = build_model("mlp", build_data(make_config({})))
+    cfg = make_config({"model": "mlp"})
+    model = build_model(cfg, build_data(cfg))
     same = check_ranks_agree(accelerator, model, "initial")
     if accelerator.process_index == 1:
         with torch.no_grad():

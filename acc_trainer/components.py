@@ -1,0 +1,364 @@
+"""The one place where names become objects: a run's model, data, loss and metrics.
+
+`--model`, `--dataset`, `--loss` and `--metrics` take a built-in name (the registries: data.DATASETS,
+models.MODELS, tasks.LOSSES, tasks.METRICS), `torchvision:<name>` / `timm:<name>` for models, or an
+import path `pkg.module:attr` (a module in the current folder works too). Every process resolves the
+same strings itself, so nothing is pickled. `fit()` hands objects directly; both end in a `Workload`,
+the only thing the training loop takes.
+
+Factories are called with `--model-args` / `--dataset-args` as keyword arguments, plus what the run
+knows, for each parameter the factory declares and the arguments do not set: a model factory gets
+`num_classes`, `input_shape` and `data` (the `Data` of the run); a dataset factory gets `seed` and
+`config` (the `TrainConfig`). The built-in factories take `data` and `config` this way.
+
+Before anything is written, `check_fit` passes one sample through the model, the loss and the metrics,
+so that data that does not fit the model, or outputs that do not fit the loss, are one line, not a
+traceback from inside the first training step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import tasks
+from .config import ConfigError, TrainConfig, first_line
+from .data import DATASETS, Data, InMemory, check_data, torchvision
+from .models import MODELS
+
+# Exceptions that mean "these pieces do not fit together" when one sample passes through them; others
+# (NameError, ZeroDivisionError, ...) are bugs in the user's code and keep their traceback.
+MISFITS = (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError, NotImplementedError)
+
+
+@dataclass
+class Workload:
+    """What the training loop trains: objects, already built. `loss`/`metrics` None: chosen by
+    `check_fit` from the model's outputs and the data's targets."""
+
+    model: nn.Module
+    data: Data
+    loss: Callable | None
+    metrics: dict[str, Callable] | None
+    model_name: str
+    dataset_name: str
+    loss_name: str | None = None
+
+
+def import_object(path: str, what: str) -> Any:
+    """`pkg.module:attr.sub` -> the object. The current folder is importable, as with `python -m`."""
+    module_name, _, attr = path.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the console script's sys.path lacks it
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise ConfigError(f"{what} {path}: no module named {e.name!r} (looked in {os.getcwd()} and the installed "
+                              "packages)") from None
+        raise ConfigError(f"{what} {path}: importing {module_name} failed: {type(e).__name__}: {first_line(e)}") from None
+    except (ImportError, SyntaxError) as e:
+        raise ConfigError(f"{what} {path}: importing {module_name} failed: {type(e).__name__}: {first_line(e)}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what} {path}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def call_factory(factory: Callable, args: dict, known: dict, what: str) -> Any:
+    """factory(**args, plus the `known` values its signature asks for); its failure is one line."""
+    kwargs = dict(args)
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # some builtins and C types have no signature
+        parameters = {}
+    for name, value in known.items():
+        if name in parameters and name not in kwargs and value is not None:
+            kwargs[name] = value
+    shown = ", ".join(f"{k}={v!r}" for k, v in args.items())
+    try:
+        return factory(**kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{what}({shown}) raised {type(e).__name__}: {first_line(e)}") from None
+
+
+# ---------------------------------------------------------------------------------------- from names
+
+
+def build_workload(cfg: TrainConfig) -> Workload:
+    """Everything `cfg` names, built in this process (every process calls this after seeding)."""
+    from accelerate import PartialState
+
+    # The main process builds the data first (and downloads, if it must); the others then read its
+    # files. An error is raised only after the context, so that no process is left at its barrier.
+    error = None
+    with PartialState().main_process_first():
+        try:
+            data = build_data(cfg)
+        except ConfigError as e:
+            error = e
+    if error is not None:
+        raise error
+    model = build_model(cfg, data)
+    loss = build_loss(cfg.loss) if cfg.loss else None
+    metrics = build_metrics(cfg.metrics) if cfg.metrics is not None else None
+    return Workload(model, data, loss, metrics, cfg.model, cfg.dataset, cfg.loss)
+
+
+def build_data(cfg: TrainConfig) -> Data:
+    spec, args = cfg.dataset, cfg.dataset_args or {}
+    known = {"config": cfg, "seed": cfg.seed}
+    if spec in DATASETS:
+        data = call_factory(DATASETS[spec], args, known, f"dataset {spec}")
+    else:
+        factory = import_object(spec, "--dataset")
+        made = call_factory(factory, args, known, f"dataset factory {spec}")
+        if isinstance(made, Data):
+            data = made
+        elif isinstance(made, (tuple, list)) and len(made) == 2:
+            data = data_from(made[0], made[1], spec)
+        else:
+            raise ConfigError(f"dataset factory {spec} returned {type(made).__name__}; it must return a pair "
+                              "(train_dataset, eval_dataset)")
+    check_data(data, cfg.batch_size, spec)
+    return data
+
+
+def build_model(cfg: TrainConfig, data: Data) -> nn.Module:
+    spec, args = cfg.model, dict(cfg.model_args or {})
+    known = {"num_classes": data.num_classes, "input_shape": data.input_shape, "data": data}
+    if spec in MODELS:
+        model = call_factory(MODELS[spec], args, known, f"model {spec}")
+    elif spec.startswith("torchvision:"):
+        model = _zoo_model(spec, args, data, _torchvision_models())
+    elif spec.startswith("timm:"):
+        model = _zoo_model(spec, args, data, _timm_models())
+    else:
+        model = call_factory(import_object(spec, "--model"), args, known, f"model factory {spec}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model factory {spec} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _torchvision_models() -> tuple[Callable, list[str]]:
+    models = torchvision().models
+    return (lambda name, **kw: models.get_model(name, weights=None, **kw)), models.list_models(module=models)
+
+
+def _timm_models() -> tuple[Callable, list[str]]:
+    if importlib.util.find_spec("timm") is None:
+        raise ConfigError('timm models need the timm package: pip install "acc_trainer[timm]" (or pip install timm)')
+    import timm
+
+    return (lambda name, **kw: timm.create_model(name, pretrained=False, **kw)), timm.list_models()
+
+
+def _zoo_model(spec: str, args: dict, data: Data, zoo: tuple[Callable, list[str]]) -> nn.Module:
+    create, names = zoo
+    library, _, name = spec.partition(":")
+    if name not in names:
+        close = [n for n in names if name.split("_")[0] in n][:8]
+        hint = f" (similar: {', '.join(close)})" if close else ""
+        raise ConfigError(f"--model {spec}: {library} has no classification model {name!r}{hint}")
+    if "num_classes" not in args:
+        if data.num_classes is None:
+            raise ConfigError(f"--model {spec} needs num_classes: the dataset does not say how many classes it has; "
+                              "set it with --model-args '{num_classes: N}'")
+        args["num_classes"] = data.num_classes
+    return call_factory(lambda **kw: create(name, **kw), args, {}, f"{spec}")
+
+
+def build_loss(spec: str) -> Callable:
+    if spec in tasks.LOSSES:
+        return tasks.LOSSES[spec]
+    if ":" not in spec:
+        raise ConfigError(f"unknown loss {spec!r}; choose from {', '.join(tasks.LOSSES)}, or give an import path "
+                          "pkg.module:function")
+    return _callable(import_object(spec, "--loss"), spec, "--loss")
+
+
+def build_metrics(specs: list[str]) -> dict[str, Callable]:
+    metrics = {}
+    for spec in specs:
+        if spec in tasks.METRICS:
+            metrics[spec] = tasks.METRICS[spec]
+        elif ":" in spec:
+            metrics[spec.rpartition(":")[2].rpartition(".")[2]] = _callable(import_object(spec, "--metrics"), spec,
+                                                                          "--metrics")
+        else:
+            raise ConfigError(f"unknown metric {spec!r}; choose from {', '.join(tasks.METRICS)}, or give an import "
+                              "path pkg.module:function")
+    return metrics
+
+
+def _callable(obj: Any, spec: str, what: str) -> Callable:
+    if not callable(obj):
+        raise ConfigError(f"{what} {spec} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+# -------------------------------------------------------------------------------------- from objects
+
+
+def from_objects(model: nn.Module, train_data, eval_data, loss, metrics) -> Workload:
+    """`fit()`'s arguments as a Workload: the same checks the command line's objects get."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
+    data = data_from(train_data, eval_data, type(train_data).__name__)
+    loss_name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
+    if isinstance(loss, str):
+        loss = build_loss(loss)
+    elif loss is not None:
+        loss = _callable(loss, repr(loss), "fit: loss")
+    if isinstance(metrics, (list, tuple)):
+        metrics = build_metrics(list(metrics))
+    elif isinstance(metrics, Mapping):  # name -> a function, or a built-in name / import path
+        metrics = {name: _callable(m, name, "fit: metric") if not isinstance(m, str)
+                   else next(iter(build_metrics([m]).values())) for name, m in metrics.items()}
+    elif metrics is not None:
+        raise ConfigError(f"fit: metrics must be a dict of name -> metric or a list of names, not {type(metrics).__name__}")
+    return Workload(model, data, loss, metrics, qualified_name(model), qualified_name(train_data), loss_name)
+
+
+def qualified_name(obj: Any) -> str:
+    """`module:Class` of an object: how a run made by fit() names its model and data."""
+    kind = type(obj)
+    name = kind.__qualname__ if "<" not in kind.__qualname__ else kind.__name__  # a class made inside a function
+    return f"{kind.__module__}:{name}"
+
+
+def data_from(train, eval_, name: str) -> Data:
+    """A user's datasets as `Data`: the task and the number of classes are read off the samples."""
+    for split, dataset in (("training", train), ("evaluation", eval_)):
+        if dataset is not None and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise ConfigError(f"the {split} data of {name} is a {type(dataset).__name__}, not a map-style Dataset "
+                              "(__getitem__ and __len__)")
+    if len(train) == 0:
+        raise ConfigError(f"the training set of {name} is empty")
+    sample = train[0]
+    if isinstance(sample, Mapping):
+        inputs, targets = None, sample.get("labels")
+    elif isinstance(sample, (tuple, list)) and len(sample) == 2:
+        inputs, targets = sample
+    else:
+        raise ConfigError(f"samples of {name} must be (inputs, targets) pairs or dicts of tensors, "
+                          f"not {type(sample).__name__}")
+    targets = torch.as_tensor(targets) if isinstance(targets, (int, float)) else targets
+    task, num_classes = None, None
+    if isinstance(targets, torch.Tensor):
+        task = "regression" if targets.is_floating_point() else "classification"
+        if task == "classification":
+            num_classes = _num_classes(train)
+    shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
+    return Data(train, eval_, task, num_classes, shape)
+
+
+def _num_classes(dataset) -> int | None:
+    """From what datasets usually carry (`num_classes`, `classes`, `targets`, a TensorDataset's labels),
+    without reading every sample."""
+    if isinstance(getattr(dataset, "num_classes", None), int):
+        return dataset.num_classes
+    if getattr(dataset, "classes", None) is not None:
+        return len(dataset.classes)
+    targets = getattr(dataset, "targets", None)
+    if targets is None and hasattr(dataset, "tensors"):
+        targets = dataset.tensors[-1]
+    if targets is not None and len(targets):
+        targets = torch.as_tensor(targets)
+        if not targets.is_floating_point():
+            return int(targets.max()) + 1
+    if hasattr(dataset, "dataset"):  # Subset and similar wrappers
+        return _num_classes(dataset.dataset)
+    return None
+
+
+# ------------------------------------------------------------------------------ one sample, all through
+
+
+def first_samples(dataset, n: int):
+    """The first `n` samples as one batch, collated as the training loader collates them."""
+    collate = InMemory.collate if isinstance(dataset, InMemory) else None
+    indices = [list(range(min(n, len(dataset))))]
+    # A generator of its own: iterating a DataLoader otherwise draws from the global RNG.
+    return next(iter(DataLoader(dataset, batch_sampler=indices, collate_fn=collate, generator=torch.Generator())))
+
+
+def check_fit(job: Workload) -> tuple[Callable, str, dict[str, Callable]]:
+    """Passes two training samples through the model, the loss and the metrics (no gradients, the
+    model in eval mode, every random number generator left as it was); returns the loss, its name and
+    the metrics, choosing them when the workload leaves them open. A misfit is one line naming the pieces."""
+    data = job.data.train
+    try:
+        batch = first_samples(data, 2)
+    except MISFITS as e:
+        raise ConfigError(f"the samples of {job.dataset_name} cannot be batched: {type(e).__name__}: "
+                          f"{first_line(e)}") from None
+    model, was_training = job.model, job.model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            try:
+                outputs, targets = tasks.forward(model, batch)
+            except MISFITS as e:
+                raise ConfigError(f"model {job.model_name} does not take the samples of {job.dataset_name} "
+                                  f"({describe(batch)}): {type(e).__name__}: {first_line(e)}") from None
+    finally:
+        model.train(was_training)
+
+    labels = isinstance(targets, torch.Tensor) and not targets.is_floating_point()
+    loss, loss_name = job.loss, job.loss_name
+    if loss is None:
+        if tasks.own_loss(outputs) is not None:
+            loss, loss_name = tasks.model_loss, "the model's own"
+        elif isinstance(targets, torch.Tensor):
+            loss = tasks.cross_entropy if labels else tasks.mse
+            loss_name = loss.__name__
+        else:
+            raise ConfigError(f"no loss for {job.model_name} on {job.dataset_name}: its outputs carry no 'loss' and "
+                              f"the batches have no target tensor ({describe(batch)}); give one with --loss / loss=")
+    metrics = job.metrics
+    if metrics is None:  # accuracy for one class label per sample
+        metrics = {"accuracy": tasks.accuracy} if labels and targets.dim() == 1 else {}
+    try:
+        value = loss(outputs, targets)
+    except MISFITS as e:
+        raise ConfigError(f"loss {loss_name} does not fit the outputs of {job.model_name} ({describe(outputs)}) and "
+                          f"targets ({describe(targets)}): {type(e).__name__}: {first_line(e)}") from None
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+        raise ConfigError(f"loss {loss_name} returned {describe(value)}; it must return one number (a 0-dim tensor)")
+    size = len(targets) if isinstance(targets, torch.Tensor) and targets.dim() else None
+    for name, metric in metrics.items():
+        try:
+            value = metric(outputs, targets)
+        except MISFITS as e:
+            raise ConfigError(f"metric {name} does not fit the outputs of {job.model_name} ({describe(outputs)}): "
+                              f"{type(e).__name__}: {first_line(e)}") from None
+        if not isinstance(value, torch.Tensor) or (value.dim() and size is not None and len(value) != size):
+            raise ConfigError(f"metric {name} returned {describe(value)} for {size} samples; it must return one value "
+                              "per sample or one number")
+    return loss, loss_name or getattr(loss, "__name__", repr(loss)), metrics
+
+
+def describe(obj: Any) -> str:
+    """Shapes and dtypes of a batch or outputs, for messages: `[2, 3, 32, 32] float32`."""
+    if isinstance(obj, torch.Tensor):
+        return f"{list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    if isinstance(obj, Mapping):
+        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ", ".join(describe(v) for v in obj) + ")"
+    return type(obj).__name__
