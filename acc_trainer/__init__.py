@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "fit": ("acc_trainer.train", "fit"),
     "train": ("acc_trainer.train", "train"),
+    "check": ("acc_trainer.proofs", "check"),
     "TrainConfig": ("acc_trainer.config", "TrainConfig"),
     "ConfigError": ("acc_trainer.config", "ConfigError"),
     "TrainingStopped": ("acc_trainer.stopping", "TrainingStopped"),

@@ -20,6 +20,7 @@ commands:
   acc-trainer [options]                                train (the options below)
   acc-trainer report RUN_DIR [RUN_DIR ...]             compare runs: a table and a figure (report --help)
   acc-trainer bench [--processes 1,2] [options]        speed vs hand-written loops, 1 and N processes (bench --help)
+  acc-trainer check [--steps N] [options]              prove the job trains the same on 1 and 2 processes and resumes exactly
 
 examples:
   acc-trainer                                          default job: LeNet on generated images, ~30 s on a laptop CPU
@@ -87,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
             from .report import main as report
 
             return report(argv[1:])
+        if argv[:1] == ["check"]:
+            from .proofs import main as check
+
+            return check(argv[1:])
         if argv[:1] == ["bench"]:
             from .bench import main as bench
 

@@ -133,6 +133,7 @@ class TrainConfig:
     skip_nonfinite: bool = _opt(
         False, "skip optimizer steps whose loss is NaN/inf (counted in the summary) instead of stopping"
     )
+    plots: bool = _opt(True, "draw the run's figures into <output-dir>/plots/ at its end")
     progress: str = _opt(
         "auto", "rich: live bars; plain: one line per log step; auto: rich on a terminal, else plain", choices=PROGRESS
     )

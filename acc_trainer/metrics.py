@@ -42,14 +42,14 @@ class RunFiles:
             self._metrics.write(json.dumps(record) + "\n")
 
     @contextmanager
-    def plots_if_stopped(self):
+    def plots_if_stopped(self, draw: bool = True):
         """A run stopped early (signal, NaN/inf) still gets plots of what it did."""
         from .stopping import TrainingStopped
 
         try:
             yield
         except TrainingStopped:
-            if self.enabled:
+            if self.enabled and draw:
                 from .plots import plot_run  # matplotlib: imported only when a plot is drawn
 
                 self._metrics.flush()

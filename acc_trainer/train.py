@@ -72,15 +72,19 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, config: T
     TrainConfig fields (`epochs=3, batch_size=256, ...`), applied over `config`. Every process of a
     launch calls this with the same arguments; returns the run summary.
     """
+    cfg = fit_config(model, train_data, config, options)
+    return run(cfg, components.from_objects(model, train_data, eval_data, loss, metrics))
+
+
+def fit_config(model, train_data, config: TrainConfig | None, options: dict) -> TrainConfig:
+    """`config` with `options` over it, naming the model and data by their classes."""
     values = config.to_dict() if config is not None else {}
-    fields = set(TrainConfig.__dataclass_fields__)
-    unknown = sorted(set(options) - fields)
+    unknown = sorted(set(options) - set(TrainConfig.__dataclass_fields__))
     if unknown:
         raise ConfigError(f"fit: unknown option {unknown[0]!r} (options are TrainConfig fields, e.g. epochs, batch_size)")
     values.update(options)
     values["model"], values["dataset"] = components.qualified_name(model), components.qualified_name(train_data)
-    cfg = make_config(values)
-    return run(cfg, components.from_objects(model, train_data, eval_data, loss, metrics))
+    return make_config(values)
 
 
 def run(cfg: TrainConfig, job: Workload) -> dict:
@@ -113,6 +117,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
 
     set_seed(cfg.seed)  # dropout and every other random number of the run start from --seed
     model, data = job.model, job.data
+    _same_data_everywhere(accelerator, data)
     if resumed:
         check_model(resume, resumed, model)
     # One sample through the model, the loss and the metrics, before anything is written.
@@ -192,7 +197,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     logged_step, train_time, data_time = step, 0.0, 0.0
     checkpoint_steps = cfg.checkpoint_steps  # parsed once, not in every step
     where = lambda: f"epoch {epoch + 1}, after optimizer step {step}, process {accelerator.process_index} of {world}"
-    with progress, StopSignals(accelerator) as signals, files.plots_if_stopped(), _naming_the_step(where):
+    with progress, StopSignals(accelerator) as signals, files.plots_if_stopped(cfg.plots), _naming_the_step(where):
         interval_start, data_wait = time.perf_counter(), 0.0
         # A checkpoint at the very end (after the final evaluation) leaves nothing to train.
         for epoch in range(step // per_epoch if step < total_steps else epochs, epochs):
@@ -310,6 +315,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
         "mfu": None,
         "peak_memory_mb": peak_memory_mb(accelerator.device),
         "ranks_agree": ranks_agree,
+        "notes": notes,
         "output_dir": str(out),
         "versions": library_versions(),
     }
@@ -324,7 +330,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
         progress.print(f"learned weight {summary['learned']['weight']:.4f}, bias {summary['learned']['bias']:.4f}")
     files.write_summary(summary)
     plots = []
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and cfg.plots:
         from .plots import plot_run  # matplotlib: 0.4 s to import, needed only here
 
         plots = plot_run(out)
@@ -444,6 +450,18 @@ def _start_processes(cfg: TrainConfig) -> tuple[PartialState, str, bool, InitPro
         cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
     return PartialState(cpu=cpu, **timeout.to_kwargs()), engine, cpu, timeout
+
+
+def _same_data_everywhere(accelerator: Accelerator, data: Data) -> None:
+    """Every process must hold the same datasets: with different lengths their shuffles and epochs
+    would differ (and one process could wait for the others for ever at an epoch's end)."""
+    if accelerator.num_processes == 1:
+        return
+    sizes = [len(data.train), len(data.eval) if data.eval is not None else -1]
+    everywhere = accelerator.gather(torch.tensor([sizes], device=accelerator.device)).tolist()
+    if any(row != everywhere[0] for row in everywhere):
+        shown = "; ".join(f"process {i}: {t} training, {max(e, 0)} evaluation samples" for i, (t, e) in enumerate(everywhere))
+        raise ConfigError(f"the datasets differ between processes ({shown}); every process must build the same data")
 
 
 def _same_initial_weights(accelerator: Accelerator, model) -> list[str]:

@@ -5,7 +5,6 @@ user makes with them. The user's files are written by tests/user_project.py into
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path

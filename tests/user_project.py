@@ -83,6 +83,50 @@ def not_a_pair():
     return load()[0]
 '''
 
+BROKEN = '''
+"""Workloads that break "the same run on 1 or N processes", each in its own way."""
+import os
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from my_model import Net
+
+
+class NoisyData(TensorDataset):
+    """A random transform drawing from the process's global generator."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x + 0.1 * torch.randn(x.shape), y
+
+
+class PerProcessData(TensorDataset):
+    """A dataset that holds one sample fewer on every further process."""
+
+    def __len__(self):
+        return super().__len__() - int(os.environ.get("RANK", "0"))
+
+
+class RandomForward(Net):
+    """torch.rand in forward, without a generator."""
+
+    def forward(self, x):
+        return super().forward(x + 0.1 * torch.rand(x.shape))
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self, num_classes=4):
+        super().__init__()
+        self.hidden = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32)
+        self.out = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.hidden(x))))
+'''
+
 MY_METRICS = '''
 import torch.nn.functional as F
 
@@ -133,7 +177,7 @@ import train_script
 notebook_launcher(train_script.main, args=(sys.argv[2:],), num_processes=2, use_port=sys.argv[1])
 '''
 
-FILES = {"my_model.py": MY_MODEL, "my_data.py": MY_DATA, "my_metrics.py": MY_METRICS,
+FILES = {"my_model.py": MY_MODEL, "broken.py": BROKEN, "my_data.py": MY_DATA, "my_metrics.py": MY_METRICS,
          "train_script.py": TRAIN_SCRIPT, "notebook.py": NOTEBOOK}
 
 

@@ -1,0 +1,356 @@
+"""`acc-trainer check` / `acc_trainer.check(...)`: the package's own proofs, run on a user's workload.
+
+Short runs of the user's job (`--steps` optimizer steps each) are compared with each other:
+
+| job | what it is | compared for |
+| --- | --- | --- |
+| base | 1 process, a checkpoint half-way | the reference |
+| nudged | base with every initial weight moved by one ulp | how far rounding alone carries a run (chaos) |
+| accum | 1 process, `--grad-accum 2` | accumulation |
+| again | base, once more | determinism |
+| resumed | base continued from its half-way checkpoint | exact resume |
+| two | 2 processes (2 CPU processes over gloo, or 2 GPUs) | topology, samples, evaluation counts |
+| two_sync_bn | two with `--sync-bn` (only when the model has BatchNorm) | what unsynchronised BatchNorm costs |
+
+Every job runs in processes forked from this one (so a user's objects need no pickling, and each job
+starts from the same untouched model and a fresh Accelerate state). A forward pre-hook records a
+fingerprint of every training sample the model is given, per process, to compare what each step saw.
+
+A difference counts as a topology dependence only when it is larger than what chaos explains:
+tolerance = max(1e-5, 10 x the nudged run's drift).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import tempfile
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, TrainConfig
+
+PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
+
+
+def check(model, train_data, eval_data=None, *, loss=None, metrics=None, config: TrainConfig | None = None,
+          steps: int = 8, output_dir: str | None = None, **options) -> list[dict]:
+    """Checks a user's workload, given as to `fit`. Prints the table; returns its rows (dicts with
+    check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed)."""
+    from .components import from_objects
+    from .train import fit_config
+
+    cfg = replace(fit_config(model, train_data, config, options), output_dir=None)
+    # One thread per process: this process may have run OpenMP work already (building the data, say),
+    # and GNU OpenMP's thread pool does not survive a fork: a forked child that uses it hangs.
+    return Checker(cfg, lambda cfg: from_objects(model, train_data, eval_data, loss, metrics), steps, output_dir,
+                   threads=1).run()
+
+
+def _named_workload(cfg: TrainConfig):
+    from accelerate.utils import set_seed
+
+    from .components import build_workload
+    from .train import _start_processes
+
+    _start_processes(cfg)
+    set_seed(cfg.seed)
+    return build_workload(cfg)
+
+
+class Checker:
+    def __init__(self, cfg: TrainConfig, build, steps: int, output_dir: str | None, threads: int | None = None):
+        if steps < 2:
+            raise ConfigError(f"--steps must be at least 2, got {steps}")
+        self.cfg, self.build, self.steps, self.threads = cfg, build, steps, threads
+        self.folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="acc-trainer-check-"))
+        self.keep = output_dir is not None
+        # 2 GPUs when there are; else every run on the CPU (one GPU cannot hold two processes' runs).
+        gpus = torch.cuda.device_count() if not cfg.cpu else 0  # counts without initialising CUDA (fork-safe)
+        self.devices, self.world = ("GPUs" if gpus >= 2 else "CPU processes"), 2
+        self.options = {"max_steps": steps, "epochs": 10**6, "progress": "none", "plots": False, "resume": None,
+                        "log_with": None,
+                        "checkpoint_every": None, "save_best": None, "keep_last": None, "cpu": gpus < 2}
+
+    # --------------------------------------------------------------------------------------- jobs
+
+    def job(self, name: str, world: int = 1, nudge: bool = False, **options) -> dict:
+        """Runs one job in `world` forked processes; returns what it left (summary, weights, samples, error)."""
+        folder = self.folder / name
+        cfg = replace(self.cfg, **{**self.options, **options, "output_dir": str(folder)})
+        port = _free_port()
+        threads = self.threads or max(1, (os.cpu_count() or 2) // world)
+        torch.multiprocessing.start_processes(_worker, args=(self.build, cfg, world, port, nudge, str(folder), threads),
+                                              nprocs=world, start_method="fork")
+        result = {"error": None, "summary": None, "weights": None, "samples": []}
+        error = folder / "error.txt"
+        if error.exists():
+            result["error"] = error.read_text().strip()
+            return result
+        from safetensors.torch import load_file
+
+        result["summary"] = json.loads((folder / "summary.json").read_text())
+        result["weights"] = load_file(folder / "model.safetensors")
+        ranks = [json.loads((folder / f"samples-{r}.json").read_text()) for r in range(world)]
+        calls = [rank["samples"] for rank in ranks]
+        result["samples"] = [sorted(sum((rank[i] for rank in calls), [])) for i in range(len(calls[0]))]
+        result["draws"] = any(rank["draws"] for rank in ranks)
+        return result
+
+    def run(self) -> list[dict]:
+        from .progress import make_console
+
+        console = make_console()
+        half = self.steps // 2
+        console.print(f"[bold]acc-trainer check[/]: {self.cfg.model} on {self.cfg.dataset}, {self.steps} steps per "
+                      f"run, 2 {self.devices}")
+        try:
+            base = self.job("base", checkpoint_every=str(half))
+            if base["error"]:
+                raise ConfigError(f"the workload does not train on 1 process: {base['error']}")
+            nudged = self.job("nudged", nudge=True)
+            again = self.job("again")
+            accum = self.job("accum", grad_accum=2) if self.cfg.batch_size % 2 == 0 else None
+            resumed = self.resume(base, half)
+            two = self.job("two", world=self.world)
+            has_bn = _has_batchnorm(self.folder / "base")
+            synced = self.job("two_sync_bn", world=self.world, sync_bn=True) if has_bn and not self.cfg.sync_bn \
+                else None
+            rows = rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, self.cfg, half, self.world)
+        finally:
+            if not self.keep:
+                shutil.rmtree(self.folder, ignore_errors=True)
+        console.print(table(rows))
+        failed = sum(r["result"] == FAIL for r in rows)
+        console.print(f"{failed} check(s) failed" if failed else "every check passed")
+        return rows
+
+    def resume(self, base: dict, half: int) -> dict:
+        """A copy of base's folder holding only its half-way checkpoint, continued to the end."""
+        folder = self.folder / "resumed"
+        shutil.copytree(self.folder / "base" / "checkpoints" / f"step-{half:08d}",
+                        folder / "checkpoints" / f"step-{half:08d}")
+        (folder / "metrics.jsonl").write_text("")
+        return self.job("resumed", resume="auto", checkpoint_every=str(half))
+
+
+def _worker(rank: int, build, cfg: TrainConfig, world: int, port: int, nudge: bool, folder: str, threads: int) -> None:
+    """One process of a job. Forked: it starts from the parent's objects, untouched by earlier jobs."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # as accelerate launch sets it, without its warning
+    torch.set_num_threads(threads)
+    AcceleratorState._reset_state(reset_partial_state=True)  # the parent's, copied by fork
+    GradientState._reset_state()
+    from .train import run
+
+    record = {"samples": [], "draws": False}
+    try:
+        job = build(cfg)
+        if nudge:
+            with torch.no_grad():
+                for p in job.model.parameters():
+                    p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+        before, after = _recorder(record)
+        job.model.register_forward_pre_hook(before, with_kwargs=True)
+        job.model.register_forward_hook(after)
+        run(cfg, job)
+    except Exception as e:  # the parent reports it in its row
+        if rank == 0:
+            text = str(e) if isinstance(e, ConfigError) else "".join(traceback.format_exception_only(e)).strip()
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / "error.txt").write_text(text)
+        return
+    (Path(folder) / f"samples-{rank}.json").write_text(json.dumps(record))
+
+
+def _recorder(record: dict):
+    """Forward hooks: a fingerprint of every sample of every training call (micro-batch), and whether
+    the call drew from torch's global random number generators (dropout, torch.rand)."""
+    state = {}
+
+    def before(module, args, kwargs):
+        if not module.training:
+            return
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        if tensors:
+            x = tensors[0].detach().flatten(1).double().cpu()
+            weights = torch.arange(1, x.shape[1] + 1, dtype=torch.float64)
+            record["samples"].append([[round(a, 6), round(b, 6)]
+                                      for a, b in zip(x.sum(1).tolist(), (x * weights).sum(1).tolist())])
+        state["rng"] = _rng_states()
+
+    def after(module, args, output):
+        if module.training and "rng" in state and not record["draws"]:
+            record["draws"] = any(not torch.equal(a, b) for a, b in zip(state["rng"], _rng_states()))
+
+    return before, after
+
+
+def _rng_states() -> list[torch.Tensor]:
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])]
+
+
+def _has_batchnorm(folder: Path) -> bool:
+    from safetensors.torch import load_file
+
+    return any(name.endswith("running_mean") for name in load_file(folder / "model.safetensors"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------- the rows
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point()),
+               default=0.0)
+
+
+def rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, cfg, half, world) -> list[dict]:
+    rows = []
+    chaos = max_difference(base["weights"], nudged["weights"]) if not nudged["error"] else math.inf
+    tolerance = max(1e-5, 10 * chaos)
+    chaotic = f"; a 1-ulp nudge of the initial weights moves it {chaos:.1e}"
+    draws = base.get("draws", False)
+
+    def compare(name: str, job: dict | None, cause: str, fix: str) -> None:
+        if job is None:
+            rows.append(row(name, SKIPPED, "not applicable", ""))
+        elif job["error"]:
+            rows.append(row(name, FAIL, job["error"], cause, fix))
+        else:
+            d = max_difference(base["weights"], job["weights"])
+            result = PASS if d <= tolerance else FAIL
+            rows.append(row(name, result, f"max parameter difference {d:.1e} (tolerance {tolerance:.0e}{chaotic})",
+                            cause if result == FAIL else "", fix if result == FAIL else ""))
+
+    random_cause = ("the model draws random numbers in forward (dropout, torch.rand without a generator): each "
+                    "process draws its own, so no other topology can match")
+    bn_cause = "BatchNorm normalises each process's (or micro-batch's) share of the batch separately"
+    data_cause = "the samples differ between the runs (see the samples row)"
+    topo_cause = bn_cause if has_bn and not cfg.sync_bn else (random_cause if draws else data_cause)
+    compare(f"{world} processes vs 1", two, topo_cause,
+            "--sync-bn" if has_bn and not cfg.sync_bn else "draw randomness from a torch.Generator seeded per sample, "
+            "or turn dropout off to check")
+    compare("--grad-accum 2 vs 1 process", accum, bn_cause if has_bn else (random_cause if draws else data_cause),
+            "larger micro-batches, or a model without BatchNorm" if has_bn else "as above")
+
+    # Samples and initial weights.
+    if two["error"]:
+        rows.append(row("same start, same samples at every step", FAIL, two["error"],
+                        "the processes do not build the same data or model", "build them from the seed only"))
+    else:
+        different = [i for i, (a, b) in enumerate(zip(base["samples"], two["samples"])) if a != b]
+        notes = two["summary"].get("notes") or []
+        if different:
+            rows.append(row("same start, same samples at every step", FAIL,
+                            f"{len(different)} of {len(base['samples'])} steps saw other samples on {world} processes "
+                            f"than on 1 (first: step {different[0] + 1})",
+                            "the data depends on the process: a random transform drawing from each process's "
+                            "generator, or a dataset that reads other files per process",
+                            "make each sample a function of (seed, index) only"))
+        else:
+            rows.append(row("same start, same samples at every step", PASS,
+                            f"{len(base['samples'])} steps, identical samples" +
+                            ("; initial weights differed, process 0's were used" if notes else ""), ""))
+
+    # Evaluation counts.
+    expected = base["summary"]["eval_samples"] if base["summary"]["eval"] else None
+    if expected is None:
+        rows.append(row("evaluation counts every sample once", SKIPPED, "no evaluation set", ""))
+    elif two["error"]:
+        rows.append(row("evaluation counts every sample once", FAIL, two["error"], "", ""))
+    else:
+        counts = (base["summary"]["eval_samples"], two["summary"]["eval_samples"])
+        ok = counts[0] == counts[1] == expected
+        rows.append(row("evaluation counts every sample once", PASS if ok else FAIL,
+                        f"{counts[0]} samples on 1 process, {counts[1]} on {world}", "" if ok else "padding counted"))
+
+    # Resume.
+    if resumed["error"]:
+        rows.append(row(f"stopped at step {half} and resumed", FAIL, resumed["error"], "", ""))
+    else:
+        d = max_difference(base["weights"], resumed["weights"])
+        rows.append(row(f"stopped at step {half} and resumed", PASS if d == 0 else FAIL,
+                        "bit-identical" if d == 0 else f"max parameter difference {d:.1e}",
+                        "" if d == 0 else "random numbers drawn where a checkpoint cannot restore them: in a "
+                        "dataset's __getitem__ (the loader reads a batch ahead of the step a checkpoint records), "
+                        "from a generator of the dataset's own, or from NumPy/Python state seeded at import",
+                        "" if d == 0 else "draw from torch's generator, or from one seeded per sample"))
+
+    # Determinism.
+    d = max_difference(base["weights"], again["weights"])
+    if d == 0:
+        rows.append(row("the same run twice", PASS, "bit-identical", ""))
+    else:
+        layer = max(base["weights"], key=lambda k: (base["weights"][k].double() - again["weights"][k].double())
+                    .abs().max().item())
+        rows.append(row("the same run twice", FAIL, f"max parameter difference {d:.1e}, largest in {layer}",
+                        "a non-deterministic operation (atomic adds on GPUs, an unseeded random source)",
+                        "torch.use_deterministic_algorithms(True) names the operation"))
+
+    # BatchNorm.
+    if not has_bn:
+        rows.append(row("BatchNorm across processes", SKIPPED, "the model has no BatchNorm", ""))
+    elif cfg.sync_bn:
+        rows.append(row("BatchNorm across processes", PASS, "--sync-bn: statistics over all processes", ""))
+    elif not two["error"] and synced and not synced["error"]:
+        d, ds = max_difference(base["weights"], two["weights"]), max_difference(base["weights"], synced["weights"])
+        rows.append(row("BatchNorm across processes", FAIL,
+                        f"{world} processes vs 1: {d:.1e} without --sync-bn, {ds:.1e} with it",
+                        "each process normalises with its own share of the batch", "add --sync-bn"))
+    return rows
+
+
+def row(check_name: str, result: str, measured: str, cause: str, fix: str = "") -> dict:
+    return {"check": check_name, "result": result, "measured": measured, "cause": cause, "fix": fix}
+
+
+def table(rows: list[dict]):
+    from rich.table import Table
+
+    out = Table(title="acc_trainer check", title_justify="left")
+    for column in ("check", "result", "measured", "likely cause and fix"):
+        out.add_column(column, overflow="fold")
+    colours = {PASS: "green", FAIL: "bold red", SKIPPED: "yellow"}
+    for r in rows:
+        advice = "; ".join(x for x in (r["cause"], f"fix: {r['fix']}" if r["fix"] else "") if x)
+        out.add_row(r["check"], f"[{colours[r['result']]}]{r['result']}[/]", r["measured"], advice)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    """`acc-trainer check [--steps N] [training options]`: exit 1 when a check fails."""
+    import sys
+
+    from .cli import parse_config
+
+    steps = 8
+    if "--steps" in argv:
+        i = argv.index("--steps")
+        try:
+            steps = int(argv[i + 1])
+        except (IndexError, ValueError):
+            raise ConfigError("--steps takes a whole number") from None
+        argv = argv[:i] + argv[i + 2:]
+    cfg = parse_config(argv)
+    output_dir, cfg = cfg.output_dir, replace(cfg, output_dir=None)
+    rows = Checker(cfg, _named_workload, steps, output_dir).run()
+    if any(r["result"] == FAIL for r in rows):
+        sys.exit(1)
