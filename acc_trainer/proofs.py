@@ -104,6 +104,11 @@ class Checker:
         return result
 
     def run(self) -> list[dict]:
+        # Imported once here and inherited by every forked job, which would otherwise import them itself:
+        # torch._dynamo alone (imported by the first optimizer) costs each job about 3 s on a small CPU.
+        import torch._dynamo  # noqa: F401
+
+        from . import train  # noqa: F401
         from .progress import make_console
 
         console = make_console()

@@ -103,3 +103,17 @@ def main_in_process(capsys, tmp_path, monkeypatch):
     yield run
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A user's project folder (tests/user_project.py writes its files), the current folder of the test;
+    its modules are forgotten afterwards, as a new process would."""
+    import user_project
+
+    user_project.write(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in user_project.MODULES:
+        sys.modules.pop(name, None)

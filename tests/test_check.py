@@ -3,25 +3,10 @@ silently make "the same run on 1 or N processes" or "a resumed run is the same r
 
 from __future__ import annotations
 
-import pytest
-
-import user_project
 from conftest import BIN, run_cli
 
 # Small and not chaotic: SGD on a 16-32-4 MLP. 8 steps per run, evaluation of 301 samples.
 OPTIONS = {"batch_size": 64, "optimizer": "sgd", "lr": 0.05}
-
-
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    import sys
-
-    user_project.write(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    for name in ("my_model", "my_data", "my_metrics", "broken"):
-        sys.modules.pop(name, None)
 
 
 def test_a_sound_workload_passes_every_row(project):

@@ -17,19 +17,6 @@ import user_project
 from conftest import BIN, REPO, _env, check, free_port, launch, metrics, run_cli, summary
 
 EXAMPLES = REPO / "examples"
-USER_MODULES = ("my_model", "my_data", "my_metrics", "train_script")
-
-
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    """The user's project folder, the current folder of the test; its modules are forgotten afterwards,
-    as they would be by a new process."""
-    user_project.write(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    for name in USER_MODULES:
-        sys.modules.pop(name, None)
 
 
 @pytest.fixture
@@ -224,7 +211,7 @@ def test_a_checkpoint_of_another_model_is_refused_by_its_parameters(project, mai
             "--progress", "none"]
     assert main_in_process(*args, "--max-steps", "4", "--checkpoint-every", "4")[0] == 0
     (project / "my_model.py").write_text((project / "my_model.py").read_text().replace("width=32", "width=40"))
-    for name in USER_MODULES:  # a new process imports the changed file
+    for name in user_project.MODULES:  # a new process imports the changed file
         sys.modules.pop(name, None)
     code, _, stderr = main_in_process(*args, "--max-steps", "4", "--checkpoint-every", "4", "--resume", "auto")
     assert code == 2, stderr

@@ -177,6 +177,7 @@ import train_script
 notebook_launcher(train_script.main, args=(sys.argv[2:],), num_processes=2, use_port=sys.argv[1])
 '''
 
+MODULES = ("my_model", "broken", "my_data", "my_metrics", "train_script")
 FILES = {"my_model.py": MY_MODEL, "broken.py": BROKEN, "my_data.py": MY_DATA, "my_metrics.py": MY_METRICS,
          "train_script.py": TRAIN_SCRIPT, "notebook.py": NOTEBOOK}
 
