@@ -22,6 +22,7 @@ tolerance = max(1e-5, 10 x the nudged run's drift).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -106,9 +107,8 @@ class Checker:
     def run(self) -> list[dict]:
         # Imported once here and inherited by every forked job, which would otherwise import them itself:
         # torch._dynamo alone (imported by the first optimizer) costs each job about 3 s on a small CPU.
-        import torch._dynamo  # noqa: F401
-
-        from . import train  # noqa: F401
+        for module in ("torch._dynamo", "acc_trainer.train"):
+            importlib.import_module(module)
         from .progress import make_console
 
         console = make_console()
