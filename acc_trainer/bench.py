@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .cli import Parser, parse_config
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     args, rest = build_parser().parse_known_args(argv)
     cfg = parse_config(rest)
+    if cfg.output_dir is not None:  # each measured run gets a folder of its own: --output-dir names the bench's
+        if args.bench_dir is not None:
+            raise ConfigError("give the bench's folder once: --bench-dir or --output-dir, not both")
+        args.bench_dir, cfg = cfg.output_dir, replace(cfg, output_dir=None)
     try:
         args.processes = sorted({int(p) for p in args.processes.split(",")})
     except ValueError:
@@ -96,6 +101,8 @@ def _options(cfg: TrainConfig) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
     return flags

@@ -11,9 +11,14 @@ leaves only a `.tmp-` folder, which is never picked up and is cleared by the nex
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
+import warnings
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from accelerate import Accelerator
 
@@ -156,8 +161,42 @@ def check_model(path: Path, state: dict, model) -> None:
 
 
 def load(accelerator: Accelerator, path: Path) -> None:
-    """`accelerator.load_state`, with a damaged file reported as the user's problem, naming it."""
+    """`accelerator.load_state`, with a damaged file reported as the user's problem, naming it, and
+    every process's random number generators checked to be the checkpoint's."""
     try:
-        accelerator.load_state(str(path))
+        with warnings.catch_warnings():
+            # torch warns that Accelerate's own files use pickle protocol 4: nothing the user can act on.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            accelerator.load_state(str(path))
     except Exception as e:  # safetensors, pickle and torch each raise their own types for a bad file
         raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first_line(e)})") from None
+    problem = _rng_not_restored(path, accelerator.process_index)
+    failed = accelerator.gather(torch.tensor([problem is not None], device=accelerator.device)).tolist()
+    if any(failed):  # every process raises: the same decision everywhere
+        ranks = ", ".join(str(i) for i, bad in enumerate(failed) if bad)
+        raise ConfigError(f"checkpoint {path}: the random number generator states of process {ranks} cannot be "
+                          f"restored ({problem or 'see that process'}); resuming would not continue the same run")
+
+
+def _rng_not_restored(path: Path, rank: int) -> str | None:
+    """Accelerate (1.15) catches every error while restoring random_states_<rank>.pkl and logs it at INFO
+    level, so a run would quietly resume with other randomness. The file is read again the same way
+    (weights-only unpickling: a file carrying code is refused, never run) and compared with the
+    generators as they are now."""
+    from accelerate.utils import load as load_weights_only
+
+    file = path / f"random_states_{rank}.pkl"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            states = load_weights_only(file)
+        restored = (torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
+                    and random.getstate() == states["random_state"]
+                    and all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states["numpy_random_seed"])))
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            restored = restored and all(torch.equal(a, b) for a, b in
+                                        zip(torch.cuda.get_rng_state_all(), states["torch_cuda_manual_seed"]))
+    except Exception as e:
+        kind = "it holds more than plain data and was refused" if "Weights only load failed" in str(e) else first_line(e)
+        return f"{file.name}: {kind}"
+    return None if restored else f"{file.name} does not match the generators after loading"

@@ -75,7 +75,8 @@ class TrainConfig:
 
     # How long and how big.
     epochs: int = _opt(3, "passes over the training set")
-    max_steps: int | None = _opt(None, "stop after this many optimizer steps (overrides --epochs when smaller)")
+    max_steps: int | None = _opt(None, "train exactly this many optimizer steps, over as many epochs as that takes "
+                                       "(--epochs applies when this is not given)")
     batch_size: int = _opt(
         128, "GLOBAL batch per optimizer step, summed over processes and accumulation micro-batches"
     )
@@ -271,8 +272,10 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
             if not isinstance(parsed, dict) or not all(isinstance(k, str) for k in parsed):
                 raise TypeError
             return parsed
-        if base == "list":  # a YAML list, or comma-separated text
-            items = value.split(",") if isinstance(value, str) else value
+        if base == "list":  # a YAML list, its YAML/JSON text, or comma-separated text
+            if isinstance(value, str):
+                value = yaml.safe_load(value) if value.lstrip().startswith("[") else value.split(",")
+            items = value
             if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
                 raise TypeError
             return [i.strip() for i in items if i.strip()]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import accelerate.utils.other
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
@@ -56,6 +57,16 @@ def _number(text: str) -> float | None:
         return float(text)
     except ValueError:
         return None
+
+
+_DEEPSPEED_AVAILABLE = accelerate.utils.other.is_deepspeed_available
+
+
+def leave_deepspeed_alone(engine: str) -> None:
+    """Accelerate's unwrap_model (1.15) imports deepspeed, when it is installed, only to test whether a
+    model is a DeepSpeedEngine; the import prints a warning about the accelerator and costs a second.
+    Without the DeepSpeed engine no model can be one, so the test is skipped for such runs."""
+    accelerate.utils.other.is_deepspeed_available = _DEEPSPEED_AVAILABLE if engine == "DEEPSPEED" else lambda: False
 
 
 def set_up(accelerator: Accelerator, engine: str) -> None:

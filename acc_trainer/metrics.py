@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 from contextlib import contextmanager
@@ -11,7 +12,56 @@ from pathlib import Path
 import torch
 import yaml
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
+
+
+_LOCKS: dict = {}  # run folder -> the open lock file this process holds
+
+
+def _in_use(folder: Path, handle) -> ConfigError | None:
+    import fcntl
+
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        return ConfigError(f"--output-dir {folder} is in use by another run (process {holder}); wait for it to end, "
+                           "or choose another folder")
+    return None
+
+
+def check_not_in_use(folder: Path) -> None:
+    """Refuses a folder another live run holds (main process only; the lock is let go at once)."""
+    if not (folder / ".lock").exists() or folder.resolve() in _LOCKS:
+        return
+    with open(folder / ".lock", "a+") as handle:
+        error = _in_use(folder, handle)
+    if error:
+        raise error
+
+
+def lock_run_folder(folder: Path, resuming: bool) -> None:
+    """One run at a time per folder: an exclusive flock on <folder>/.lock, held until this process ends
+    (or starts another run on the folder). The operating system drops it when the process dies, so a
+    killed run never leaves a lock behind. Main process only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if folder.resolve() in _LOCKS:  # an earlier run of this process on the same folder (fit() twice, say)
+        _LOCKS.pop(folder.resolve()).close()
+    handle = open(folder / ".lock", "a+")
+    error = _in_use(folder, handle)
+    if error:
+        handle.close()
+        raise error
+    # Checked again under the lock: a run that finished since this one started left its files here.
+    if not resuming and any((folder / name).exists() for name in RunFiles.OUTPUTS):
+        handle.close()
+        raise ConfigError(f"--output-dir {folder} already holds a run; choose a new folder, or add --resume auto")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _LOCKS[folder.resolve()] = handle
 
 
 class RunFiles:

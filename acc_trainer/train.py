@@ -20,6 +20,7 @@ optimizer steps whatever the topology.
 from __future__ import annotations
 
 import math
+import os
 import re
 import signal
 import sys
@@ -41,7 +42,7 @@ from .checkpoints import load as load_checkpoint
 from .components import Workload, first_samples
 from .config import ConfigError, TrainConfig, make_config
 from .data import Data, IndexBatches, InMemory, steps_per_epoch
-from .metrics import RunFiles, device_peak_flops, fingerprint, flops_per_sample, library_versions, peak_memory_mb
+from .metrics import RunFiles, check_not_in_use, device_peak_flops, lock_run_folder, fingerprint, flops_per_sample, library_versions, peak_memory_mb
 from .models import sync_batchnorm
 from .optim import build_optimizer, build_scheduler
 from .progress import Progress, format_metric, summary_table
@@ -92,6 +93,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     started = time.perf_counter()
     speedups.apply()
     state, engine, cpu, timeout = _start_processes(cfg)
+    _warn_if_one_process_was_meant(state)
     _check_topology(cfg, state)
     out = _output_dir(cfg, job)
     resume = find_resume(cfg, out)
@@ -135,7 +137,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     ranks_agree = check_ranks_agree(accelerator, model, "initial")
     peak_flops = device_peak_flops(accelerator.device)
     per_epoch = steps_per_epoch(data, cfg)
-    total_steps = min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
+    total_steps = cfg.max_steps or cfg.epochs * per_epoch  # --max-steps wins over --epochs, as in HF's Trainer
     epochs = math.ceil(total_steps / per_epoch)
     lr = cfg.lr * cfg.batch_size / cfg.lr_reference_batch if cfg.scale_lr else cfg.lr
     optimizer = build_optimizer(cfg, model.parameters(), lr)
@@ -155,6 +157,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
         step, skipped, evals, best = resumed["step"], resumed["skipped_steps"], resumed["evals"], resumed["best"]
         losses.load(resumed["losses"], accelerator.process_index)
     # Startup succeeded: only now does the run write anything, so a failed start leaves nothing behind.
+    _lock(accelerator, out, resuming=resume is not None)
     files = RunFiles(out, enabled=accelerator.is_main_process, resumed_step=step if resumed else None)
     files.write_config(cfg)
     checkpoints = Checkpoints(accelerator, out / "checkpoints", cfg.keep_last)
@@ -445,11 +448,35 @@ def _start_processes(cfg: TrainConfig) -> tuple[PartialState, str, bool, InitPro
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
     cpu = cfg.cpu or not torch.cuda.is_available()
     engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
+    engines.leave_deepspeed_alone(engine)
     if engine == "DEEPSPEED":
         engines.check_deepspeed(cfg)
         cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
     return PartialState(cpu=cpu, **timeout.to_kwargs()), engine, cpu, timeout
+
+
+def _lock(accelerator: Accelerator, out: Path, resuming: bool) -> None:
+    """The main process locks the run folder; every process learns whether it could."""
+    error = [None]
+    if accelerator.is_main_process:
+        try:
+            lock_run_folder(out, resuming)
+        except ConfigError as e:
+            error = [str(e)]
+    broadcast_object_list(error)
+    if error[0]:
+        raise ConfigError(error[0])
+
+
+def _warn_if_one_process_was_meant(state: PartialState) -> None:
+    """Without a GPU, `accelerate launch --num_processes 2` (no --multi_gpu) starts ONE process through
+    Accelerate's simple launcher, which still exports MASTER_ADDR but no WORLD_SIZE: say so."""
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_ADDR" in os.environ
+    if state.num_processes == 1 and launched and "WORLD_SIZE" not in os.environ:
+        print("acc-trainer: warning: accelerate launch started ONE process (without --multi_gpu it starts several "
+              "only on GPUs); for 2: accelerate launch --multi_gpu --num_processes 2 -m acc_trainer ..., or "
+              "--config_file accelerate_configs/cpu_ddp.yaml", file=sys.stderr)
 
 
 def _same_data_everywhere(accelerator: Accelerator, data: Data) -> None:
@@ -500,6 +527,15 @@ def _output_dir(cfg: TrainConfig, job: Workload) -> Path:
         out = Path(name[0])
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} exists and is not a folder")
+    in_use = [None]
+    if PartialState().is_main_process:
+        try:
+            check_not_in_use(out)
+        except ConfigError as e:
+            in_use = [str(e)]
+    broadcast_object_list(in_use)
+    if in_use[0]:
+        raise ConfigError(in_use[0])
     if cfg.resume is None and any((out / name).exists() for name in RunFiles.OUTPUTS):
         raise ConfigError(f"--output-dir {out} already holds a run; choose a new folder, or add --resume auto")
     PartialState().wait_for_everyone()  # every process has checked before the main one writes

@@ -1,0 +1,125 @@
+"""Faults a user runs into: each one gets one clear line (or a warning), and nothing already written is lost."""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import check, launch, run_cli, summary
+
+SMALL = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--progress", "none"]
+
+
+def test_max_steps_wins_over_epochs(train_in_process):
+    """4 steps per epoch and the default 3 epochs: --max-steps 10 trains 10 steps (3 epochs, the last one cut)."""
+    s = train_in_process(model="mlp", train_size=256, eval_size=64, batch_size=64, max_steps=10)
+    assert s["steps"] == 10 and s["epochs"] == 3 and s["train_samples"] == 640
+    assert [e["step"] for e in s["evals"]] == [4, 8, 10]
+
+
+def test_bench_output_dir_is_the_bench_folder(tmp_path):
+    from acc_trainer.bench import parse
+    from acc_trainer.config import ConfigError
+
+    args, cfg = parse(["--output-dir", str(tmp_path / "b"), "--model-args", "{width: 3}", "--metrics", "accuracy,top5"])
+    assert args.bench_dir == str(tmp_path / "b") and cfg.output_dir is None
+    from acc_trainer.bench import _options
+
+    assert parse(_options(cfg))[1] == cfg  # the flags each measured run gets read back to the same options
+    try:
+        parse(["--output-dir", "x", "--bench-dir", "y"])
+    except ConfigError as e:
+        assert "--bench-dir or --output-dir, not both" in str(e)
+    else:
+        raise AssertionError("both folders were accepted")
+
+
+def test_no_noise_from_libraries_the_run_does_not_use(tmp_path):
+    """DeepSpeed (installed by the dev extra) is not imported by a plain run, and resuming does not print
+    torch's warning about the pickle protocol of Accelerate's own files."""
+    out = tmp_path / "run"
+    first = check(run_cli(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out))
+    again = check(run_cli(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out,
+                          "--resume", str(out / "checkpoints" / "step-00000002")))
+    for result in (first, again):
+        assert "real_accelerator" not in result.stderr and "Setting accelerator to CPU" not in result.stderr
+        assert "pickle protocol" not in result.stderr and "Warning" not in result.stderr, result.stderr
+    probe = ("import sys; from acc_trainer.config import make_config; from acc_trainer.train import train; "
+             f"train(make_config(dict(model='mlp', max_steps=2, train_size=128, batch_size=64, progress='none', "
+             f"output_dir={str(tmp_path / 'probe')!r}))); print('deepspeed' in sys.modules)")
+    assert check(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)).stdout.strip() == "False"
+
+
+def test_one_process_where_two_were_meant_is_said(tmp_path):
+    result = check(launch(*SMALL, "--max-steps", "2", "--output-dir", tmp_path / "run",
+                          launcher_args=["--num_processes", "2"]))
+    assert summary(tmp_path / "run")["world_size"] == 1
+    assert ("acc-trainer: warning: accelerate launch started ONE process (without --multi_gpu it starts several only "
+            "on GPUs); for 2: accelerate launch --multi_gpu --num_processes 2 -m acc_trainer") in result.stderr
+
+
+def _finished_run_with_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    check(run_cli(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out))
+    return out, out / "checkpoints" / "step-00000002"
+
+
+class _RunsCode:
+    """A pickle that would create a file when unpickled without weights-only protection."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_whose_rng_states_cannot_be_restored_is_refused(tmp_path, main_in_process):
+    out, checkpoint = _finished_run_with_checkpoint(tmp_path)
+    marker = tmp_path / "code-ran"
+    with open(checkpoint / "random_states_0.pkl", "wb") as f:
+        pickle.dump({"random_state": _RunsCode(marker)}, f)
+    code, _, stderr = main_in_process(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out,
+                                      "--resume", checkpoint)
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert (f"acc-trainer: error: checkpoint {checkpoint}: the random number generator states of process 0 cannot be "
+            "restored (random_states_0.pkl: it holds more than plain data and was refused)") in stderr
+    assert not marker.exists()  # the pickle's code never ran
+    # A file of the right kind holding other states (not this checkpoint's) is refused too.
+    import torch
+
+    states = torch.load(checkpoint.parent / "step-00000004" / "random_states_0.pkl", weights_only=False)
+    states["torch_manual_seed"] = torch.random.default_generator.get_state()[:0]  # empty: set_rng_state fails
+    torch.save(states, checkpoint / "random_states_0.pkl")
+    code, _, stderr = main_in_process(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out,
+                                      "--resume", checkpoint)
+    assert code == 2 and "the random number generator states of process 0 cannot be restored" in stderr
+
+
+def test_two_runs_on_one_folder_and_a_killed_runs_lock(tmp_path):
+    out = tmp_path / "run"
+    job = [*SMALL, "--model", "lenet", "--train-size", "2048", "--max-steps", "200", "--checkpoint-every", "5",
+           "--output-dir", out]
+    from conftest import _env
+
+    first = subprocess.Popen([sys.executable, "-m", "acc_trainer", *map(str, job)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not list((out / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first.send_signal(signal.SIGSTOP)  # paused mid-run, holding its lock, whatever the machine's speed
+        assert first.poll() is None, "the first run ended before the second started"
+        second = run_cli(*SMALL, "--max-steps", "4", "--output-dir", out)
+        assert second.returncode == 2
+        assert second.stderr == (f"acc-trainer: error: --output-dir {out} is in use by another run (process "
+                                 f"{first.pid}); wait for it to end, or choose another folder\n")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # The killed run held the lock; the operating system released it with the process.
+    resumed = check(run_cli(*job, "--resume", "auto"))
+    assert summary(out)["resumed_from"] and summary(out)["steps"] == 200, resumed.stderr
