@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from accelerate import Accelerator
+from safetensors import SafetensorError
 
 from .config import ConfigError, TrainConfig, first_line
 
@@ -47,9 +48,21 @@ class Checkpoints:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(tmp))
-        if main:
-            (tmp / STATE_FILE).write_text(json.dumps(state))
+        error = None
+        try:
+            self.accelerator.save_state(str(tmp))
+            if main:
+                (tmp / STATE_FILE).write_text(json.dumps(state))
+        except WRITE_ERRORS as e:
+            error = e
+        failed = self.accelerator.gather(torch.tensor([error is not None], device=self.accelerator.device))
+        if failed.any():  # every process stops, for the same reason
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kept = f"the last complete checkpoint is {self.last}" if self.last else "no complete checkpoint was written"
+            from .stopping import TrainingStopped
+
+            raise TrainingStopped(f"writing checkpoint {final} failed: {write_failure(error, tmp)}; {kept}", code=1)
         self.accelerator.wait_for_everyone()  # every process's files are in place
         if main:
             if final.exists():
@@ -69,6 +82,31 @@ class Checkpoints:
         if self.keep_last:
             for old in complete_checkpoints(self.folder)[: -self.keep_last]:
                 shutil.rmtree(old)
+
+
+# torch's zip writer reports a failed write as RuntimeError, safetensors as its own SafetensorError.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def write_failure(error: BaseException | None, where: Path) -> str:
+    """Why a write failed, in the operating system's words where it gave them (torch's zip writer does
+    not: then the disk and the file size limit are looked at)."""
+    import errno
+    import os
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if isinstance(error, OSError) and error.errno and error.errno != errno.EFBIG:
+        return os.strerror(error.errno)
+    if limit != resource.RLIM_INFINITY:
+        return f"File too large (the file size limit, ulimit -f, is {limit:,} bytes)"
+    try:
+        stats = os.statvfs(where if where.exists() else where.parent)
+        if stats.f_bavail * stats.f_frsize < 64 << 20:
+            return "No space left on device"
+    except OSError:
+        pass
+    return first_line(error) if error else "another process could not write its part"
 
 
 def complete_checkpoints(folder: Path) -> list[Path]:

@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, RandomSampler
 
 from . import components, engines, speedups
-from .checkpoints import BEST, Checkpoints, check_model, find_resume, parameter_shapes, read_state
+from .checkpoints import BEST, Checkpoints, check_model, find_resume, parameter_shapes, read_state, write_failure, WRITE_ERRORS
 from .checkpoints import load as load_checkpoint
 from .components import Workload, first_samples
 from .config import ConfigError, TrainConfig, make_config
@@ -286,7 +286,14 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
 
     ranks_agree = ranks_agree and check_ranks_agree(accelerator, model, "final")
     accelerator.wait_for_everyone()
-    accelerator.save_model(model, out)
+    try:
+        accelerator.save_model(model, out)
+    except WRITE_ERRORS as e:
+        if not accelerator.is_main_process:
+            raise
+        kept = f"the last complete checkpoint is {checkpoints.last}" if checkpoints.last else "no checkpoint was saved"
+        raise TrainingStopped(f"writing the final weights {out / 'model.safetensors'} failed: "
+                              f"{write_failure(e, out)}; {kept}", code=1) from None
     final = evals[-1] if evals else None
     summary = {
         "model": job.model_name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import signal
 import subprocess
@@ -123,3 +124,47 @@ def test_two_runs_on_one_folder_and_a_killed_runs_lock(tmp_path):
     # The killed run held the lock; the operating system released it with the process.
     resumed = check(run_cli(*job, "--resume", "auto"))
     assert summary(out)["resumed_from"] and summary(out)["steps"] == 200, resumed.stderr
+
+
+def _with_file_size_limit(limit: int):
+    """A child whose files cannot grow past `limit` bytes: writes fail with EFBIG (SIGXFSZ ignored)."""
+    import resource
+
+    def limit_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_files
+
+
+def test_a_checkpoint_that_does_not_fit_on_the_disk(tmp_path):
+    """The MLP's Adam state (12.6 MB) cannot be written under an 8 MB file size limit."""
+    from conftest import _env
+
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "acc_trainer", *SMALL, "--max-steps", "8", "--checkpoint-every", "4",
+                             "--log-every", "2", "--output-dir", str(out)], capture_output=True, text=True,
+                            env=_env(), preexec_fn=_with_file_size_limit(8 << 20), timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"acc-trainer: writing checkpoint {out}/checkpoints/step-00000004 failed: File too large (the file size "
+        "limit, ulimit -f, is 8,388,608 bytes); no complete checkpoint was written")
+    assert "Traceback" not in result.stderr
+    assert not list((out / "checkpoints").glob(".tmp-*"))  # the half-written checkpoint is gone
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval_loss" in r) for r in records] == [(2, False), (4, False), (4, True)]
+    assert (out / "plots" / "loss.png").exists()  # what the run did up to then is kept, and drawn
+
+
+def test_final_weights_that_do_not_fit(tmp_path):
+    from conftest import _env
+
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "acc_trainer", *SMALL, "--max-steps", "4", "--output-dir", str(out)],
+                            capture_output=True, text=True, env=_env(), preexec_fn=_with_file_size_limit(4 << 20),
+                            timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"acc-trainer: writing the final weights {out}/model.safetensors failed: File too large (the file size limit, "
+        "ulimit -f, is 4,194,304 bytes); no checkpoint was saved")
+    assert (out / "metrics.jsonl").exists()
