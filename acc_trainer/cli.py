@@ -21,6 +21,7 @@ commands:
   acc-trainer report RUN_DIR [RUN_DIR ...]             compare runs: a table and a figure (report --help)
   acc-trainer bench [--processes 1,2] [options]        speed vs hand-written loops, 1 and N processes (bench --help)
   acc-trainer check [--steps N] [options]              prove the job trains the same on 1 and 2 processes and resumes exactly
+  acc-trainer check-data [options]                     open every sample once; list those that cannot be read
 
 examples:
   acc-trainer                                          default job: LeNet on generated images, ~30 s on a laptop CPU
@@ -79,6 +80,28 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     return make_config(values)
 
 
+def check_data(argv: list[str]) -> None:
+    """`acc-trainer check-data [options]`: opens every sample of the dataset the options name, once, and
+    lists those that cannot be read; exit 1 when there are some."""
+    from .components import build_data
+    from .data import unreadable_samples
+    from .progress import make_console
+
+    cfg = parse_config(argv)
+    data = build_data(cfg)
+    console, bad = make_console(), 0
+    for split, dataset in (("training", data.train), ("evaluation", data.eval)):
+        if dataset is None:
+            continue
+        names = unreadable_samples(dataset)
+        bad += len(names)
+        for name in names:
+            console.print(f"unreadable {split} sample: {name}", markup=False)
+        console.print(f"{split}: {len(dataset) - len(names)} of {len(dataset)} samples read")
+    if bad:
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     rank = os.environ.get("RANK")
     several = rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
@@ -88,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
             from .report import main as report
 
             return report(argv[1:])
+        if argv[:1] == ["check-data"]:
+            return check_data(argv[1:])
         if argv[:1] == ["check"]:
             from .proofs import main as check
 

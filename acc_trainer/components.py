@@ -304,6 +304,9 @@ def check_fit(job: Workload) -> tuple[Callable, str, dict[str, Callable]]:
     data = job.data.train
     try:
         batch = first_samples(data, 2)
+    except OSError as e:
+        raise ConfigError(f"the first samples of {job.dataset_name} cannot be read ({type(e).__name__}: "
+                          f"{first_line(e)}); acc-trainer check-data lists every unreadable sample") from None
     except MISFITS as e:
         raise ConfigError(f"the samples of {job.dataset_name} cannot be batched: {type(e).__name__}: "
                           f"{first_line(e)}") from None

@@ -131,6 +131,9 @@ class TrainConfig:
     )
     save_best: str | None = _opt(None, "keep the checkpoint with the best evaluation 'loss' or metric (e.g. accuracy; "
                                  "lower is better for loss, mae and names ending in loss or error)", metavar="METRIC")
+    skip_bad_samples: bool = _opt(
+        False, "skip optimizer steps whose batch holds a training sample that cannot be read (counted and named in "
+        "the summary) instead of stopping")
     skip_nonfinite: bool = _opt(
         False, "skip optimizer steps whose loss is NaN/inf (counted in the summary) instead of stopping"
     )

@@ -84,6 +84,74 @@ class IndexBatches(BatchSampler):
                 yield batch
 
 
+class Guarded(Dataset):
+    """A dataset read from files, whose samples may not open (a truncated image, a vanished file).
+
+    Yields `(sample, -1)`, or for a sample that raises OSError `(stand-in, index)`: the last good
+    sample takes its place, so that the batch still forms (and every process still makes its step,
+    as DDP needs), and the index travels with the batch, through DataLoader workers too. The loop then
+    stops with a line naming the file, or skips the step (--skip-bad-samples). Other exceptions are
+    bugs in the dataset's code and pass through.
+    """
+
+    def __init__(self, base: Dataset):
+        self.base, self._last_good = base, None
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        try:
+            sample = self.base[index]
+        except OSError:
+            return self._stand_in(index), index
+        self._last_good = sample
+        return sample, -1
+
+    def _stand_in(self, index: int):
+        for other in range(index + 1, index + 1 + len(self.base)):
+            if self._last_good is not None:
+                return self._last_good
+            try:
+                self._last_good = self.base[other % len(self.base)]
+            except OSError:
+                continue
+        raise OSError(f"no sample of {type(self.base).__name__} can be read")
+
+    @staticmethod
+    def collate(items: list) -> tuple:
+        from torch.utils.data import default_collate
+
+        return default_collate([sample for sample, _ in items]), torch.tensor([index for _, index in items])
+
+
+def reads_files(dataset: Dataset) -> bool:
+    """Whether samples may fail to open: anything but tensors already in memory."""
+    return not isinstance(dataset, (TensorDataset, Resized))
+
+
+def sample_name(dataset: Dataset, index: int) -> str:
+    """`path/to/file (OSError: why)` for ImageFolder-like datasets, else `sample N (...)`."""
+    samples = getattr(dataset, "samples", None)
+    name = str(samples[index][0]) if isinstance(samples, list) and index < len(samples) else f"sample {index}"
+    try:
+        dataset[index]
+    except OSError as e:
+        return f"{name} ({type(e).__name__}: {first_line(e)})"
+    return name
+
+
+def unreadable_samples(dataset: Dataset) -> list[str]:
+    """Opens every sample once: the names of those that cannot be read."""
+    bad = []
+    for index in range(len(dataset)):
+        try:
+            dataset[index]
+        except OSError:
+            bad.append(sample_name(dataset, index))
+    return bad
+
+
 class Resized(Dataset):
     """Upscales the images of a tensor dataset per sample, as torchvision's Resize does for PIL images.
 

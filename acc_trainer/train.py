@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs, PartialState
 from accelerate.utils import (ProjectConfiguration, TorchDynamoPlugin, broadcast, broadcast_object_list,
-                              find_batch_size, recursively_apply, set_seed)
+                              find_batch_size, gather_object, recursively_apply, set_seed)
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, RandomSampler
 
@@ -41,7 +41,7 @@ from .checkpoints import BEST, Checkpoints, check_model, find_resume, parameter_
 from .checkpoints import load as load_checkpoint
 from .components import Workload, first_samples
 from .config import ConfigError, TrainConfig, make_config
-from .data import Data, IndexBatches, InMemory, steps_per_epoch
+from .data import Data, Guarded, IndexBatches, InMemory, reads_files, sample_name, steps_per_epoch
 from .metrics import RunFiles, check_not_in_use, device_peak_flops, lock_run_folder, fingerprint, flops_per_sample, library_versions, peak_memory_mb
 from .models import sync_batchnorm
 from .optim import build_optimizer, build_scheduler
@@ -197,6 +197,19 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     for note in notes:
         progress.print(note)
 
+    guarded, unreadable, bad_samples, bad_steps = reads_files(data.train), [], [], 0
+
+    def raise_unreadable(indices: list[int], split: str, at: int) -> None:
+        # All processes agree on it; the steps so far are kept in a checkpoint first.
+        optimizer.zero_grad()
+        if checkpoints.last is None or checkpoints.last.name != f"step-{step:08d}":
+            save_checkpoint()
+        dataset = data.train if split == "training" else data.eval
+        more = f" (and {len(indices) - 1} more)" if len(indices) > 1 else ""
+        raise TrainingStopped(f"{split} sample {sample_name(dataset, indices[0])}{more} cannot be read, at step {at}; "
+                              f"checkpoint saved in {checkpoints.last}; acc-trainer check-data lists every such sample"
+                              + ("; --skip-bad-samples skips them" if split == "training" else ""), code=1)
+
     logged_step, train_time, data_time = step, 0.0, 0.0
     checkpoint_steps = cfg.checkpoint_steps  # parsed once, not in every step
     where = lambda: f"epoch {epoch + 1}, after optimizer step {step}, process {accelerator.process_index} of {world}"
@@ -213,6 +226,9 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             batch_ready = time.perf_counter()
             for batch in batches:
                 data_wait += time.perf_counter() - batch_ready
+                if guarded:  # (batch, indices of the samples that could not be read, else -1)
+                    batch, indices = batch
+                    unreadable += [i for i in indices.tolist() if i >= 0]
                 batch = model_inputs(batch, cfg.channels_last, input_dtype)
                 with accelerator.accumulate(model):
                     outputs, targets = forward(model, batch)
@@ -220,7 +236,14 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
                     accelerator.backward(loss)
                     losses.add(loss)  # on the device; read back only at log steps and checkpoints
                     if accelerator.sync_gradients:
-                        if cfg.skip_nonfinite and losses.last_step_nonfinite(accelerator):
+                        bad = _unreadable_everywhere(accelerator, unreadable) if guarded else []
+                        unreadable = []
+                        if bad and not cfg.skip_bad_samples:
+                            raise_unreadable(bad, "training", step + 1)
+                        if bad:
+                            bad_samples += [sample_name(data.train, i) for i in bad]
+                            bad_steps += 1  # no update from a batch with stand-ins for unreadable samples
+                        elif cfg.skip_nonfinite and losses.last_step_nonfinite(accelerator):
                             skipped += 1  # no update from this step's gradients
                         else:
                             if cfg.max_grad_norm:
@@ -270,7 +293,11 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             eval_start = time.perf_counter()
             if eval_loader is not None:
-                results = evaluate(accelerator, model, eval_loader, loss_fn, metrics, cfg.channels_last, input_dtype)
+                results = evaluate(accelerator, model, eval_loader, loss_fn, metrics, cfg.channels_last, input_dtype,
+                                   guarded=reads_files(data.eval))
+                if results.pop("unreadable", False):  # an evaluation counts every sample: never skipped
+                    raise_unreadable(results["unreadable_indices"], "evaluation", step)
+                results.pop("unreadable_indices", None)
                 evals.append({"step": step, "epoch": epoch + 1, **results})
                 files.log({"step": step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in results.items()}})
                 if cfg.log_with:
@@ -309,6 +336,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
         "per_process_batch_size": per_process_batch,
         "steps": step,
         "skipped_steps": skipped,
+        "bad_sample_steps": bad_steps,
+        "unreadable_samples": bad_samples,
         "epochs": epochs,
         "train_samples": step * cfg.batch_size,
         "eval": {k: v for k, v in final.items() if k not in ("samples", "step", "epoch")} if final else None,
@@ -368,39 +397,50 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) ->
     # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
     sampler = RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size)
     micro_batch = cfg.batch_size // cfg.grad_accum
+    train_set = data.train
     if isinstance(data.train, InMemory):  # whole batches at once, as index tensors
         batching = {"batch_sampler": IndexBatches(sampler, micro_batch), "collate_fn": InMemory.collate}
     else:
         batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True}
+        if reads_files(data.train):
+            train_set, batching["collate_fn"] = Guarded(data.train), Guarded.collate
     # Each loader draws its workers' base seed from a generator of its own at every iteration, not from
     # the global RNG: a resumed run starts a new iteration mid-epoch, which would shift every random
     # number the model draws after it (dropout) against the uninterrupted run.
-    train_loader = DataLoader(data.train, num_workers=cfg.num_workers, pin_memory=pin_memory,
+    train_loader = DataLoader(train_set, num_workers=cfg.num_workers, pin_memory=pin_memory,
                               persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed),
                               **batching)
     if data.eval is None:
         return train_loader, None
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
-    eval_loader = DataLoader(data.eval, batch_size=per_process * world, shuffle=False, num_workers=cfg.num_workers,
-                             pin_memory=pin_memory, generator=torch.Generator().manual_seed(cfg.seed),
-                             collate_fn=InMemory.collate if isinstance(data.eval, InMemory) else None)
+    guarded = reads_files(data.eval)
+    eval_loader = DataLoader(Guarded(data.eval) if guarded else data.eval, batch_size=per_process * world,
+                             shuffle=False, num_workers=cfg.num_workers, pin_memory=pin_memory,
+                             generator=torch.Generator().manual_seed(cfg.seed),
+                             collate_fn=Guarded.collate if guarded else InMemory.collate if isinstance(data.eval, InMemory)
+                             else None)
     return train_loader, eval_loader
 
 
 def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, channels_last: bool = False,
-             input_dtype: torch.dtype | None = None) -> dict:
+             input_dtype: torch.dtype | None = None, guarded: bool = False) -> dict:
     """The loss and every metric over the whole evaluation set, each sample counted once whatever the
     number of processes, and nothing but running sums kept (never the whole set's outputs).
 
     Accelerate pads the last batch so that every process gets as many samples; `gather_for_metrics`
     drops that padding, so gathering each process's own index through it says how many of its samples
     are real. Only those are passed through the model (every process still makes one call, as FSDP
-    needs), and each batch's loss and per-sample metrics are weighted by that count.
+    needs), and each batch's loss and per-sample metrics are weighted by that count. With `guarded`
+    batches (data.Guarded), the indices of samples that could not be read come back as `unreadable`.
     """
     model.eval()
     totals = torch.zeros(len(metrics) + 2, dtype=torch.float64, device=accelerator.device)  # loss, metrics, count
+    unreadable = []
     with torch.no_grad():
         for batch in loader:
+            if guarded:
+                batch, indices = batch
+                unreadable += [i for i in indices.tolist() if i >= 0]
             batch = model_inputs(batch, channels_last, input_dtype)
             size = find_batch_size(batch)
             real = _real_samples(accelerator, size)
@@ -414,8 +454,22 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
     model.train()
     totals = accelerator.reduce(totals, "sum").tolist()
     count = int(totals[-1])
-    return {"loss": totals[0] / count, **{name: total / count for name, total in zip(metrics, totals[1:-1])},
-            "samples": count}
+    results = {"loss": totals[0] / count, **{name: total / count for name, total in zip(metrics, totals[1:-1])},
+               "samples": count}
+    if guarded:
+        results["unreadable_indices"] = _unreadable_everywhere(accelerator, unreadable)
+        results["unreadable"] = bool(results["unreadable_indices"])
+    return results
+
+
+def _unreadable_everywhere(accelerator: Accelerator, local: list[int]) -> list[int]:
+    """The indices of unreadable samples on any process, the same list on all (one tiny all-reduce;
+    the indices themselves are gathered only when there are some)."""
+    if accelerator.num_processes == 1:
+        return sorted(set(local))
+    if accelerator.reduce(torch.tensor(len(local), device=accelerator.device), "sum").item() == 0:
+        return []
+    return sorted({i for part in gather_object([local]) for i in part})
 
 
 def _real_samples(accelerator: Accelerator, size: int) -> int:

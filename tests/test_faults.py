@@ -168,3 +168,55 @@ def test_final_weights_that_do_not_fit(tmp_path):
         f"acc-trainer: writing the final weights {out}/model.safetensors failed: File too large (the file size limit, "
         "ulimit -f, is 4,194,304 bytes); no checkpoint was saved")
     assert (out / "metrics.jsonl").exists()
+
+
+def _photos_with_a_truncated_one(root):
+    """An ImageFolder of real PNGs (3 classes; 16 training, 5 evaluation images each) in which one training
+    image is cut in half."""
+    from test_data import write_imagefolder
+
+    write_imagefolder(root, {"train": 16, "val": 5})
+    broken = root / "train" / "green" / "5.png"
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])
+    return broken
+
+
+PHOTOS = ["--dataset", "imagefolder", "--image-size", "16", "--model", "mlp", "--batch-size", "8", "--epochs", "2",
+          "--progress", "none"]
+
+
+def test_an_unreadable_sample_stops_with_its_name_after_a_checkpoint(tmp_path):
+    broken = _photos_with_a_truncated_one(tmp_path / "photos")
+    out = tmp_path / "run"
+    result = run_cli(*PHOTOS, "--data-dir", tmp_path / "photos", "--output-dir", out)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"acc-trainer: training sample {broken} (OSError: image file is truncated")
+    step = int(line.split("cannot be read, at step ")[1].split(";")[0])
+    assert line.endswith(f"checkpoint saved in {out}/checkpoints/step-{step - 1:08d}; acc-trainer check-data lists "
+                         "every such sample; --skip-bad-samples skips them")
+    assert (out / "checkpoints" / f"step-{step - 1:08d}" / "trainer_state.json").exists()
+
+    # --skip-bad-samples: the steps whose batch held it are skipped, on every epoch, counted and named.
+    skipping = check(run_cli(*PHOTOS, "--data-dir", tmp_path / "photos", "--output-dir", tmp_path / "skip",
+                             "--skip-bad-samples"))
+    s = summary(tmp_path / "skip")
+    assert s["bad_sample_steps"] == len(s["unreadable_samples"]) == 2 and s["steps"] == 12, skipping.stderr
+    assert all(name.startswith(str(broken)) for name in s["unreadable_samples"])
+
+    # acc-trainer check-data lists it before a long run starts.
+    listed = run_cli("check-data", *PHOTOS, "--data-dir", tmp_path / "photos")
+    assert listed.returncode == 1
+    assert f"unreadable training sample: {broken} (OSError: image file is truncated" in listed.stdout
+    assert "training: 47 of 48 samples read" in listed.stdout and "evaluation: 15 of 15 samples read" in listed.stdout
+
+
+def test_an_unreadable_sample_stops_every_process(tmp_path):
+    broken = _photos_with_a_truncated_one(tmp_path / "photos")
+    out = tmp_path / "run"
+    result = launch(*PHOTOS, "--data-dir", tmp_path / "photos", "--output-dir", out,
+                    launcher_args=["--multi_gpu", "--num_processes", "2"])
+    assert result.returncode != 0
+    assert f"acc-trainer: training sample {broken} (OSError: image file is truncated" in result.stderr
+    assert result.stderr.count("cannot be read, at step") == 1  # said once, by the main process
+    assert list((out / "checkpoints").glob("step-*"))
