@@ -15,10 +15,10 @@ SMALL = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-
 
 
 def test_max_steps_wins_over_epochs(train_in_process):
-    """4 steps per epoch and the default 3 epochs: --max-steps 10 trains 10 steps (3 epochs, the last one cut)."""
-    s = train_in_process(model="mlp", train_size=256, eval_size=64, batch_size=64, max_steps=10)
-    assert s["steps"] == 10 and s["epochs"] == 3 and s["train_samples"] == 640
-    assert [e["step"] for e in s["evals"]] == [4, 8, 10]
+    """4 steps per epoch and the default 3 epochs (12 steps): --max-steps 14 trains 14 steps, in 4 epochs."""
+    s = train_in_process(model="mlp", train_size=256, eval_size=64, batch_size=64, max_steps=14)
+    assert s["steps"] == 14 and s["epochs"] == 4 and s["train_samples"] == 14 * 64
+    assert [e["step"] for e in s["evals"]] == [4, 8, 12, 14]
 
 
 def test_bench_output_dir_is_the_bench_folder(tmp_path):
