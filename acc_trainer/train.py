@@ -197,7 +197,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     for note in notes:
         progress.print(note)
 
-    guarded, unreadable, bad_samples, bad_steps = reads_files(data.train), [], [], 0
+    guarded, unreadable, bad_samples, bad_steps, overflows = reads_files(data.train), [], [], 0, 0
 
     def raise_unreadable(indices: list[int], split: str, at: int) -> None:
         # All processes agree on it; the steps so far are kept in a checkpoint first.
@@ -250,6 +250,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
                                 accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                             optimizer.step()
                             scheduler.step()
+                            # fp16: the grad scaler skips a step whose gradients overflowed (no host sync: a flag)
+                            overflows += accelerator.optimizer_step_was_skipped
                     optimizer.zero_grad()
                 batch_ready = time.perf_counter()
                 if not accelerator.sync_gradients:
@@ -313,8 +315,12 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
 
     ranks_agree = ranks_agree and check_ranks_agree(accelerator, model, "final")
     accelerator.wait_for_everyone()
+    # Accelerate saves a compiled model under its wrapper's names (`_orig_mod.fc1.weight`); saved from
+    # the module itself, the weights load into the model as the user built it. FSDP and DeepSpeed need
+    # their wrapper to gather the full weights.
+    to_save = model if engine != "DDP" else accelerator.unwrap_model(model, keep_torch_compile=False)
     try:
-        accelerator.save_model(model, out)
+        accelerator.save_model(to_save, out)
     except WRITE_ERRORS as e:
         if not accelerator.is_main_process:
             raise
@@ -337,6 +343,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
         "steps": step,
         "skipped_steps": skipped,
         "bad_sample_steps": bad_steps,
+        "loss_scale_skipped_steps": overflows,
         "unreadable_samples": bad_samples,
         "epochs": epochs,
         "train_samples": step * cfg.batch_size,
