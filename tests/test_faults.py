@@ -297,3 +297,17 @@ def test_final_weights_that_do_not_fit_on_two_processes(tmp_path):
     said = [line for line in result.stderr.splitlines() if line.startswith(("acc-trainer", "[rank"))]
     assert said == [f"acc-trainer: writing the final weights {out}/model.safetensors failed: File too large (the file "
                     "size limit, ulimit -f, is 4,194,304 bytes); no checkpoint was saved"], result.stderr[-3000:]
+
+
+def test_two_runs_started_together_on_one_folder(tmp_path):
+    """The issue's case: both pass the start-up check on an empty folder; only one may write to it."""
+    out = tmp_path / "run"
+    runs = [subprocess.Popen([sys.executable, "-m", "acc_trainer", *SMALL, "--max-steps", "4", "--log-every", "1",
+                              "--output-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=_env()) for _ in range(2)]
+    results = [(run.wait(timeout=300), run.stderr.read()) for run in runs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert refused.count("\n") == 1 and refused.startswith(f"acc-trainer: error: --output-dir {out} "), refused
+    assert "is in use by another run" in refused or "already holds a run" in refused  # still running, or done
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4, 4]
