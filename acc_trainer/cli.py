@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(e, TrainingStopped):
             if not several or rank == "0":  # every process stops together, for the same reason
                 print(f"acc-trainer: {e}", file=sys.stderr)
-            if several:
+            if several and not e.alone:
                 # The others wait for the main process (plots, message): a launcher that sees one
                 # process exit ends the rest at once.
                 import torch.distributed as dist

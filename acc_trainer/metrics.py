@@ -65,7 +65,11 @@ def lock_run_folder(folder: Path, resuming: bool) -> None:
 
 
 class RunFiles:
-    """config.yaml, metrics.jsonl and summary.json of one run; written by the main process only."""
+    """config.yaml, metrics.jsonl and summary.json of one run; written by the main process only.
+
+    A file that cannot be written (a full disk, a file size limit) stops the run with one line naming
+    it, the operating system's reason and the checkpoint to resume from; what was written before stays.
+    """
 
     OUTPUTS = ("metrics.jsonl", "summary.json", "model.safetensors")
 
@@ -73,43 +77,93 @@ class RunFiles:
         """`resumed_step`: the run continues from a checkpoint at that step; records after it,
         logged before the interruption, are dropped because the resumed run logs them again."""
         self.folder, self.enabled = folder, enabled
+        self._metrics = None
         if enabled:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / "metrics.jsonl"
-            if resumed_step is not None and path.exists():
-                kept = [line for line in path.read_text().splitlines(keepends=True)
-                        if _complete_record_before(line, resumed_step)]
-                _write_atomically(path, "".join(kept))
-            self._metrics = open(path, "a", buffering=1)  # line-buffered: survives a kill
+            with self.writing(path):
+                if resumed_step is not None and path.exists():
+                    kept = [line for line in path.read_text().splitlines(keepends=True)
+                            if _complete_record_before(line, resumed_step)]
+                    _write_atomically(path, "".join(kept))
+                self._metrics = open(path, "a", buffering=1)  # line-buffered: survives a kill
 
     def write_config(self, cfg: TrainConfig) -> None:
         """The resolved options, in the form `--config` reads back."""
         if self.enabled:
-            (self.folder / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            with self.writing(self.folder / "config.yaml"):
+                (self.folder / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     def log(self, record: dict) -> None:
         if self.enabled:
-            self._metrics.write(json.dumps(record) + "\n")
+            with self.writing(self.folder / "metrics.jsonl"):
+                self._metrics.write(json.dumps(record) + "\n")
 
     @contextmanager
-    def plots_if_stopped(self, draw: bool = True):
-        """A run stopped early (signal, NaN/inf) still gets plots of what it did."""
+    def writing(self, path: Path):
+        """An OSError while writing `path` (main process only) becomes one line and exit 1."""
         from .stopping import TrainingStopped
 
         try:
             yield
-        except TrainingStopped:
+        except OSError as e:
+            self._close_metrics()
+            raise TrainingStopped(f"writing {path} failed: {_write_failure(e, path)}; {self._resume_from()}",
+                                  code=1, alone=True) from None
+
+    @contextmanager
+    def plots_if_stopped(self, draw: bool = True):
+        """A run stopped early (signal, NaN/inf, a full disk) still gets plots of what it did, where
+        they can be written."""
+        from .stopping import TrainingStopped
+
+        try:
+            yield
+        except TrainingStopped as stopped:
             if self.enabled and draw:
                 from .plots import plot_run  # matplotlib: imported only when a plot is drawn
 
-                self._metrics.flush()
-                plot_run(self.folder)
+                try:
+                    if self._metrics is not None and not self._metrics.closed:
+                        self._metrics.flush()
+                    plot_run(self.folder)
+                except OSError as e:  # the disk that stopped the run, most likely: the first reason stays
+                    reason = _write_failure(e, self.folder / "plots")
+                    reason = "the same reason" if reason in str(stopped) else reason
+                    raise TrainingStopped(f"{stopped}; the plots could not be written either ({reason})",
+                                          stopped.code, stopped.alone) from None
             raise
 
     def write_summary(self, summary: dict) -> None:
         if self.enabled:
-            self._metrics.close()
-            _write_atomically(self.folder / "summary.json", json.dumps(summary, indent=2) + "\n")
+            with self.writing(self.folder / "metrics.jsonl"):
+                self._metrics.close()
+            with self.writing(self.folder / "summary.json"):
+                _write_atomically(self.folder / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+    def _close_metrics(self) -> None:
+        # A failed write leaves the line in the file's buffer: close() drops it (and still closes the
+        # file) instead of failing again at interpreter exit with "Exception ignored".
+        if self._metrics is not None and not self._metrics.closed:
+            try:
+                self._metrics.close()
+            except OSError:
+                pass
+
+    def _resume_from(self) -> str:
+        from .checkpoints import complete_checkpoints
+
+        found = complete_checkpoints(self.folder / "checkpoints")
+        if not found:
+            return "no complete checkpoint was written"
+        return f"the last complete checkpoint is {found[-1]} (continue with --resume auto --output-dir {self.folder})"
+
+
+def _write_failure(error: OSError, path: Path) -> str:
+    # Imported here: baselines.py imports this module, and the hand-written loops stay free of Accelerate.
+    from .checkpoints import write_failure
+
+    return write_failure(error, path)
 
 
 def _complete_record_before(line: str, step: int) -> bool:
@@ -121,8 +175,12 @@ def _complete_record_before(line: str, step: int) -> bool:
 
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # half written: the old file, if any, is still whole
+        raise
 
 
 def fingerprint(model: torch.nn.Module) -> torch.Tensor:

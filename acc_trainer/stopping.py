@@ -16,11 +16,14 @@ from accelerate import Accelerator
 
 
 class TrainingStopped(Exception):
-    """The run stopped before its end; `code` is the process exit code."""
+    """The run stopped before its end; `code` is the process exit code.
 
-    def __init__(self, message: str, code: int):
+    `alone`: raised by the main process only (its own files could not be written), so no other process
+    is stopping with it: the CLI must not wait for them at a barrier; the launcher ends them."""
+
+    def __init__(self, message: str, code: int, alone: bool = False):
         super().__init__(message)
-        self.code = code
+        self.code, self.alone = code, alone
 
 
 class StopSignals:

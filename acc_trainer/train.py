@@ -326,7 +326,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             raise
         kept = f"the last complete checkpoint is {checkpoints.last}" if checkpoints.last else "no checkpoint was saved"
         raise TrainingStopped(f"writing the final weights {out / 'model.safetensors'} failed: "
-                              f"{write_failure(e, out)}; {kept}", code=1) from None
+                              f"{write_failure(e, out)}; {kept}", code=1, alone=True) from None
     final = evals[-1] if evals else None
     summary = {
         "model": job.model_name,
@@ -379,7 +379,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     if accelerator.is_main_process and cfg.plots:
         from .plots import plot_run  # matplotlib: 0.4 s to import, needed only here
 
-        plots = plot_run(out)
+        with files.writing(out / "plots"):
+            plots = plot_run(out)
     progress.print(f"[bold]final[/] {_format_eval(final) if final else 'no evaluation set'}; "
                    f"{summary['samples_per_s'] or 0:,.0f} samples/s; "
                    f"run files in {out}")

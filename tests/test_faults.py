@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import signal
 import subprocess
 import sys
 import time
 
-from conftest import check, launch, run_cli, summary
+import pytest
+from conftest import BIN, _env, check, free_port, launch, run_cli, summary
 
 SMALL = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--progress", "none"]
 
@@ -220,3 +222,92 @@ def test_an_unreadable_sample_stops_every_process(tmp_path):
     assert f"acc-trainer: training sample {broken} (OSError: image file is truncated" in result.stderr
     assert result.stderr.count("cannot be read, at step") == 1  # said once, by the main process
     assert list((out / "checkpoints").glob("step-*"))
+
+
+LINREG = ["--model", "linreg", "--dataset", "linear", "--eval-size", "64", "--batch-size", "32", "--optimizer", "sgd",
+          "--progress", "none"]
+
+
+def test_run_files_that_do_not_fit(tmp_path):
+    """metrics.jsonl, then summary.json, cannot grow past the file size limit: one line each, naming the
+    file and the checkpoint to resume from; what was written before is kept."""
+    from conftest import _env
+
+    def under_limit(limit, *args):
+        return subprocess.run([sys.executable, "-m", "acc_trainer", *LINREG, *map(str, args)], capture_output=True,
+                              text=True, env=_env(), preexec_fn=_with_file_size_limit(limit), timeout=300)
+
+    # A log line every step fills metrics.jsonl (20 kB) near step 80; linreg's checkpoints (15 kB) fit.
+    out = tmp_path / "log"
+    result = under_limit(20_000, "--train-size", "4096", "--max-steps", "200", "--log-every", "1",
+                         "--checkpoint-every", "10", "--output-dir", out)
+    last = sorted((out / "checkpoints").glob("step-*"))[-1]
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert result.stderr == (
+        f"acc-trainer: writing {out}/metrics.jsonl failed: File too large (the file size limit, ulimit -f, is 20,000 "
+        f"bytes); the last complete checkpoint is {last} (continue with --resume auto --output-dir {out}); the plots "
+        "could not be written either (the same reason)\n")
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()[:-1]]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > int(last.name[5:])  # every whole line kept
+
+    # Two log lines and no checkpoint: the summary (2 kB) is the first file that does not fit.
+    out = tmp_path / "summary"
+    result = under_limit(1200, "--train-size", "256", "--epochs", "1", "--log-every", "100", "--output-dir", out)
+    assert result.returncode == 1
+    assert result.stderr == (f"acc-trainer: writing {out}/summary.json failed: File too large (the file size limit, "
+                             "ulimit -f, is 1,200 bytes); no complete checkpoint was written\n")
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "config.yaml", "metrics.jsonl", "model.safetensors"]
+
+
+def _small_disk(path, size):
+    """A tmpfs of `size` at `path` (root only); skips the test where it cannot be mounted."""
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("a small file system needs root and mount")
+
+
+def test_a_checkpoint_on_a_full_disk(tmp_path):
+    """The issue's case on a real file system: 24 MB hold one checkpoint of the MLP with Adam (19 MB), not two."""
+    disk = tmp_path / "disk"
+    _small_disk(disk, "24m")
+    try:
+        out = disk / "run"
+        result = run_cli(*SMALL, "--batch-size", "32", "--train-size", "512", "--max-steps", "12", "--log-every", "2",
+                         "--checkpoint-every", "4", "--keep-last", "1", "--output-dir", out)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert result.stderr == (f"acc-trainer: writing checkpoint {out}/checkpoints/step-00000008 failed: No space "
+                                 f"left on device; the last complete checkpoint is {out}/checkpoints/step-00000004\n")
+        assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000004"]  # no .tmp- folder left
+        assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6, 8]
+        assert (out / "plots" / "loss.png").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_final_weights_that_do_not_fit_on_two_processes(tmp_path):
+    """Only the main process writes them: it stops alone, without waiting for the others at a barrier
+    (which failed with gloo's "Connection closed by peer" once they had finished); the launcher ends them."""
+    out = tmp_path / "run"
+    cmd = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--multi_gpu", "--num_processes",
+           "2", "-m", "acc_trainer", *SMALL, "--max-steps", "4", "--output-dir", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), preexec_fn=_with_file_size_limit(4 << 20),
+                            timeout=300)
+    assert result.returncode == 1
+    said = [line for line in result.stderr.splitlines() if line.startswith(("acc-trainer", "[rank"))]
+    assert said == [f"acc-trainer: writing the final weights {out}/model.safetensors failed: File too large (the file "
+                    "size limit, ulimit -f, is 4,194,304 bytes); no checkpoint was saved"], result.stderr[-3000:]
+
+
+def test_two_runs_started_together_on_one_folder(tmp_path):
+    """The issue's case: both pass the start-up check on an empty folder; only one may write to it."""
+    out = tmp_path / "run"
+    runs = [subprocess.Popen([sys.executable, "-m", "acc_trainer", *SMALL, "--max-steps", "4", "--log-every", "1",
+                              "--output-dir", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env=_env()) for _ in range(2)]
+    results = [(run.wait(timeout=300), run.stderr.read()) for run in runs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert refused.count("\n") == 1 and refused.startswith(f"acc-trainer: error: --output-dir {out} "), refused
+    assert "is in use by another run" in refused or "already holds a run" in refused  # still running, or done
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4, 4]
