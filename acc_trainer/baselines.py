@@ -1,10 +1,12 @@
 """The hand-written loops acc_trainer replaces, for `acc-trainer bench` to measure it against.
 
-Written plainly, as the DDP tutorials write them: a DataLoader with shuffle, zero_grad / forward /
-backward / step. `raw`: one process. `raw-ddp`: torch DDP with a DistributedSampler, one process per
-device, started by torchrun. `dp`: nn.DataParallel over all GPUs of one process. They train the
-same model on the same data (acc_trainer's own builders) for the same number of steps, and print
-one JSON line with their speed.
+Written plainly, as the DDP tutorials write them: a DataLoader with shuffle (one sample per
+__getitem__), zero_grad / forward / backward / step, with autocast (and a grad scaler for fp16),
+channels-last and torch.compile when the options ask for them. `raw`: one process. `raw-ddp`: torch
+DDP with a DistributedSampler, one process per device, started by torchrun. `dp`: nn.DataParallel
+over all GPUs of one process. `ceiling`: no loader at all, the same model and optimizer stepping on
+a few batches already on the device: the compute limit. They train the same model on the same data
+(acc_trainer's own builders) for the same number of steps, and print one JSON line with their speed.
 
     python -m acc_trainer.baselines --loop raw --model lenet --dataset fake --batch-size 128 --steps 50
     torchrun --nproc_per_node 2 -m acc_trainer.baselines --loop raw-ddp ...
@@ -24,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .components import build_data, build_model
 from .config import TrainConfig
+from .data import InMemory, PerSample
 from .metrics import peak_memory_mb
 from .optim import build_optimizer
 
@@ -36,39 +39,63 @@ def run(loop: str, cfg: TrainConfig, steps: int) -> dict:
     else:
         rank, world = 0, 1
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.manual_seed(cfg.seed)
     data = build_data(cfg)
     model = build_model(cfg, data).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        model = torch.compile(model)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
     elif loop == "dp":
         model = torch.nn.DataParallel(model)
     optimizer = build_optimizer(cfg, model.parameters(), cfg.lr)
-    # A plain TensorDataset, one sample per __getitem__, as the hand-written loops have it.
-    train = TensorDataset(*data.train.tensors) if isinstance(data.train, TensorDataset) else data.train
-    sampler = DistributedSampler(train, shuffle=True, drop_last=True) if ddp else None
-    loader = DataLoader(train, batch_size=cfg.batch_size // world, shuffle=sampler is None, sampler=sampler,
-                        drop_last=True, num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+    precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision or "no")
+    scaler = torch.amp.GradScaler(device.type) if precision == torch.float16 else None
     loss_fn = F.cross_entropy if data.task == "classification" else F.mse_loss
 
-    done, epoch, data_time = 0, 0, 0.0
-    start = time.perf_counter()
-    while done < steps:
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        ready = time.perf_counter()
-        for inputs, targets in loader:
-            data_time += time.perf_counter() - ready
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            optimizer.zero_grad()
-            loss = loss_fn(model(inputs), targets)
+    def batches():
+        if loop == "ceiling":  # already on the device: what the model and optimizer alone can do
+            ready = [_to(b, device, cfg.channels_last) for b in first_batches(data.train, cfg.batch_size, min(steps, 4))]
+            while True:
+                yield from ready
+        # One sample per __getitem__, collated by the DataLoader, as the hand-written loops have it.
+        train = data.train
+        if isinstance(train, InMemory):
+            plain = TensorDataset(*train.tensors)
+            train = PerSample(plain, train.prepare) if train.prepare else plain
+        sampler = DistributedSampler(train, shuffle=True, drop_last=True) if ddp else None
+        loader = DataLoader(train, batch_size=cfg.batch_size // world, shuffle=sampler is None, sampler=sampler,
+                            drop_last=True, num_workers=cfg.num_workers or 0, pin_memory=device.type == "cuda",
+                            persistent_workers=bool(cfg.num_workers))
+        for epoch in range(steps):
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            for batch in loader:
+                yield _to(batch, device, cfg.channels_last)
+
+    done, data_time = 0, 0.0
+    start = ready = time.perf_counter()
+    for inputs, targets in batches():
+        data_time += time.perf_counter() - ready
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
+            loss = loss_fn(model(inputs).float(), targets)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
             loss.backward()
             optimizer.step()
-            done += 1
-            ready = time.perf_counter()
-            if done == steps:
-                break
-        epoch += 1
+        done += 1
+        ready = time.perf_counter()
+        if done == steps:
+            break
     loss.item()  # waits for the device, as the end of any real loop does
     elapsed = time.perf_counter() - start
     result = {"loop": loop, "world_size": world, "steps": steps, "time_s": elapsed,
@@ -79,9 +106,25 @@ def run(loop: str, cfg: TrainConfig, steps: int) -> dict:
     return result if rank == 0 else {}
 
 
+def first_batches(dataset, batch_size: int, count: int) -> list:
+    """`count` batches of the dataset's first samples, collated (not timed)."""
+    if isinstance(dataset, InMemory):
+        return [dataset.__getitems__(range(i * batch_size, (i + 1) * batch_size)) for i in range(count)]
+    loader = DataLoader(dataset, batch_size=batch_size, drop_last=True)
+    return [b for b, _ in zip(loader, range(count))]
+
+
+def _to(batch, device: torch.device, channels_last: bool):
+    inputs, targets = batch
+    inputs = inputs.to(device, non_blocking=True)
+    if channels_last and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return inputs, targets.to(device, non_blocking=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m acc_trainer.baselines")
-    parser.add_argument("--loop", choices=("raw", "raw-ddp", "dp"), required=True)
+    parser.add_argument("--loop", choices=("raw", "raw-ddp", "dp", "ceiling"), required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--config", required=True, help="JSON of TrainConfig options for the workload")
     args = parser.parse_args()

@@ -27,7 +27,8 @@ from .cli import Parser, parse_config
 from .config import ConfigError, TrainConfig
 from .progress import make_console
 
-BASELINES = ("raw", "raw-ddp", "dp")
+BASELINES = ("raw", "raw-ddp", "dp", "ceiling")
+PIPELINES = ("batched", "per-sample")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,9 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "(--model, --dataset, --batch-size, --mixed-precision, ...) sets the workload.",
     )
     parser.add_argument("--processes", default="1,2", help="process counts to run, e.g. 1,2 (default: 1,2)")
-    parser.add_argument("--baselines", default="raw,raw-ddp,dp",
+    parser.add_argument("--baselines", default="raw,raw-ddp,dp,ceiling",
                         help="raw (1 process), raw-ddp (torchrun + DistributedSampler), dp (nn.DataParallel, "
-                             "2+ GPUs only) (default: raw,raw-ddp,dp)")
+                             "2+ GPUs only), ceiling (the model and optimizer on batches already on the device, "
+                             "1 process) (default: all)")
+    parser.add_argument("--pipelines", default="batched",
+                        help="data pipelines acc_trainer runs with, batched and/or per-sample (see --data-pipeline); "
+                             "each also gets a data-only row, its loader alone (default: batched)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default: 60)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each variant; the median counts (default: 5)")
     parser.add_argument("--bench-dir", help="where bench.json, bench.md and the figures go "
@@ -64,6 +69,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     unknown = set(args.baselines) - set(BASELINES)
     if unknown:
         raise ConfigError(f"unknown baseline {sorted(unknown)[0]!r}; choose from {', '.join(BASELINES)}")
+    args.pipelines = [p for p in args.pipelines.split(",") if p]
+    if not args.pipelines or set(args.pipelines) - set(PIPELINES):
+        raise ConfigError(f"--pipelines takes {' and/or '.join(PIPELINES)}, not {','.join(args.pipelines)!r}")
     if args.steps <= 0 or args.repeats <= 0:
         raise ConfigError("--steps and --repeats must be positive")
     for n in args.processes:
@@ -72,13 +80,46 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     return args, cfg
 
 
+IMPLEMENTATION = {"batched": "acc_trainer", "per-sample": "acc_trainer per-sample"}
+PIPELINE = {name: pipeline for pipeline, name in IMPLEMENTATION.items()}
+
+
+def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
+    """Samples/s of the training loader alone (its batches on the device), augmentation included."""
+    import torch
+    from accelerate.utils import send_to_device
+
+    from . import augment, components
+    from .train import build_loaders
+
+    cfg = replace(cfg, data_pipeline=pipeline)
+    device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
+    data = components.build_data(cfg)
+    loader, _ = build_loaders(cfg, data, 1, device, augment.from_config(cfg, data))
+    done, start = 0, None
+    for epoch in range(batches):
+        for batch in loader:
+            if start is None:  # the first batch starts workers: not counted
+                start = time.perf_counter()
+                continue
+            send_to_device(batch, device, non_blocking=True)
+            done += 1
+            if done == batches:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                return done * cfg.batch_size / (time.perf_counter() - start)
+    raise ConfigError(f"the data pipeline bench needs more than {batches} batches of the training set")
+
+
 def variants(args, gpus: int) -> list[tuple[str, int]]:
     """(implementation, processes) pairs to run; DataParallel needs 2+ GPUs in one process."""
     out = []
     for n in args.processes:
-        out.append(("acc_trainer", n))
+        out += [(IMPLEMENTATION[p], n) for p in args.pipelines]
         if n == 1 and "raw" in args.baselines:
             out.append(("raw", 1))
+        if n == 1 and "ceiling" in args.baselines:
+            out.append(("ceiling", 1))
         if n > 1 and "raw-ddp" in args.baselines:
             out.append(("raw-ddp", n))
         if n > 1 and "dp" in args.baselines and gpus >= n:
@@ -112,7 +153,8 @@ def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder:
     """One launch of one variant; returns its measured speed."""
     python = [sys.executable]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if kind == "acc_trainer":
+    if kind in PIPELINE:
+        cfg = replace(cfg, data_pipeline=PIPELINE[kind])
         run_dir = folder / f"acc_trainer-{processes}p-{time.time_ns()}"
         args = ["-m", "acc_trainer", *_options(cfg), "--max-steps", str(steps), "--output-dir", str(run_dir),
                 "--progress", "none"]
@@ -160,35 +202,48 @@ def summarise(runs: dict[str, list[dict]], names: list[tuple[str, int]]) -> list
         row["compute_time_s"] = row["step_time_s"] - row["data_time_s"]
         rows.append(row)
     by = {(r["implementation"], r["processes"]): r for r in rows}
+    ceiling = by.get(("ceiling", 1))
     for r in rows:
-        single = by.get(("acc_trainer", 1) if r["implementation"] == "acc_trainer" else ("raw", 1))
-        r["speedup"] = r["samples_per_s"] / single["samples_per_s"] if single else None
+        ours = r["implementation"] in PIPELINE
+        single = by.get((r["implementation"], 1) if ours else ("raw", 1))
+        r["speedup"] = r["samples_per_s"] / single["samples_per_s"] if single and r["implementation"] != "ceiling" else None
         r["efficiency"] = r["speedup"] / r["processes"] if r["speedup"] else None
         baseline = by.get(("raw", 1) if r["processes"] == 1 else ("raw-ddp", r["processes"]))
-        r["vs_baseline"] = (r["samples_per_s"] / baseline["samples_per_s"]
-                            if baseline and r["implementation"] == "acc_trainer" else None)
+        r["vs_baseline"] = r["samples_per_s"] / baseline["samples_per_s"] if baseline and ours else None
+        r["vs_ceiling"] = r["samples_per_s"] / ceiling["samples_per_s"] if ceiling and r["processes"] == 1 else None
+        r["data_share"] = r["data_time_s"] / r["step_time_s"]
     return rows
 
 
-def markdown(rows: list[dict], cfg: TrainConfig, args, machine: str) -> str:
+def markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, pipelines: dict | None = None,
+             epoch: int = 0) -> str:
     lines = [
         f"# acc_trainer bench: {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, {args.steps} steps",
         "",
         f"Machine: {machine}. Median of {args.repeats} runs per variant, run in rotating order.",
         "",
-        "| implementation | processes | train time (s) | samples/s | vs hand-written | speedup | scaling efficiency "
-        "| data ms/step | compute ms/step | peak memory/process (MB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| implementation | processes | train time (s) | epoch (s) | samples/s | vs hand-written | vs ceiling | speedup "
+        "| scaling efficiency | data ms/step | data share | compute ms/step | peak memory/process (MB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         lines.append(
-            f"| {r['implementation']} | {r['processes']} | {r['time_s']:.3f} | {r['samples_per_s']:,.0f} | "
-            f"{fmt(r['vs_baseline'], '.3f')} | {fmt(r['speedup'], '.2f')} | {fmt(r['efficiency'], '.0%')} | "
-            f"{1000 * r['data_time_s']:.2f} | {1000 * r['compute_time_s']:.2f} | {r['peak_memory_mb']:,.0f} |")
+            f"| {r['implementation']} | {r['processes']} | {r['time_s']:.3f} | {epoch * r['step_time_s']:.2f} | "
+            f"{r['samples_per_s']:,.0f} | {fmt(r['vs_baseline'], '.3f')} | {fmt(r['vs_ceiling'], '.2f')} | "
+            f"{fmt(r['speedup'], '.2f')} | {fmt(r['efficiency'], '.0%')} | {1000 * r['data_time_s']:.2f} | "
+            f"{r['data_share']:.1%} | {1000 * r['compute_time_s']:.2f} | {r['peak_memory_mb']:,.0f} |")
     lines += ["", "vs hand-written: acc_trainer's samples/s over the raw single-process loop (1 process) or the "
-              "raw torchrun + DistributedSampler loop (N processes). Speedup and efficiency: against the same "
-              "implementation on 1 process.", ""]
+              "raw torchrun + DistributedSampler loop (N processes). vs ceiling: over the model and optimizer "
+              "stepping on batches already on the device (no loader, logging or evaluation). Speedup and "
+              "efficiency: against the same implementation on 1 process. Epoch: step time x "
+              f"{epoch} steps of a {cfg.batch_size}-sample batch.", ""]
+    if pipelines:
+        lines += ["| data pipeline (loader alone, 1 process) | samples/s | vs per-sample |", "| --- | ---: | ---: |"]
+        for name, speed in pipelines.items():
+            base = pipelines.get("per-sample")
+            lines.append(f"| {name} | {speed:,.0f} | {speed / base:.1f}x |" if base else f"| {name} | {speed:,.0f} | - |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -207,7 +262,10 @@ def main(argv: list[str]) -> None:
     console = make_console()
     gpus = torch.cuda.device_count()
     names = variants(args, gpus)
-    per_epoch = max(1, cfg.train_size // cfg.batch_size)
+    generated = cfg.dataset in ("synthetic", "linear", "fake")
+    if not generated:
+        from .components import build_data
+    per_epoch = max(1, (cfg.train_size if generated else len(build_data(cfg).train)) // cfg.batch_size)
     # Enough epochs for --steps; a small evaluation set (evaluation is not measured anyway).
     cfg.epochs = math.ceil(args.steps / per_epoch)
     cfg.eval_size = min(cfg.eval_size, cfg.batch_size)
@@ -225,13 +283,18 @@ def main(argv: list[str]) -> None:
             runs[f"{kind}@{n}"].append(result)
             console.print(f"  repeat {repeat + 1}/{args.repeats}  {kind:>11} x{n}: {result['samples_per_s']:>10,.0f} samples/s")
     rows = summarise(runs, names)
+    pipelines = {}
+    if len(args.pipelines) > 1:  # the loaders alone, median of the repeats
+        for pipeline in args.pipelines:
+            pipelines[pipeline] = statistics.median(pipeline_speed(cfg, pipeline, args.steps) for _ in range(args.repeats))
+            console.print(f"  data pipeline {pipeline:>10}: {pipelines[pipeline]:>10,.0f} samples/s")
     machine = machine_description()
     report = {"workload": cfg.to_dict(), "steps": args.steps, "repeats": args.repeats, "machine": machine,
-              "rows": rows, "runs": runs}
+              "rows": rows, "pipelines": pipelines, "runs": runs}
     (folder / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (folder / "bench.md").write_text(markdown(rows, cfg, args, machine))
+    (folder / "bench.md").write_text(markdown(rows, cfg, args, machine, pipelines, per_epoch))
     from .plots import plot_bench
 
     figures = plot_bench(rows, folder, f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}")
-    console.print(markdown(rows, cfg, args, machine))
+    console.print(markdown(rows, cfg, args, machine, pipelines, per_epoch))
     console.print(f"written: {folder / 'bench.json'}, {folder / 'bench.md'}, " + ", ".join(str(f) for f in figures))

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from . import tasks
 from .config import ConfigError, TrainConfig, first_line
-from .data import DATASETS, Data, InMemory, check_data, torchvision
+from .data import DATASETS, Data, InMemory, RawImages, check_data, torchvision
 from .models import MODELS
 
 # Exceptions that mean "these pieces do not fit together" when one sample passes through them; others
@@ -264,7 +264,8 @@ def data_from(train, eval_, name: str) -> Data:
         if task == "classification":
             num_classes = _num_classes(train)
     shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
-    return Data(train, eval_, task, num_classes, shape)
+    images = shape is not None and len(shape) == 3 and isinstance(targets, torch.Tensor)
+    return Data(train, eval_, task, num_classes, shape, RawImages(train, None) if images else None)
 
 
 def _num_classes(dataset) -> int | None:

@@ -19,13 +19,15 @@ import yaml
 
 # The built-in names (the registries themselves, models.MODELS and data.DATASETS, import torch; a test
 # keeps these in step with them).
-MODELS = ("linreg", "mlp", "lenet", "convnet", "resnet18")
+MODELS = ("linreg", "mlp", "lenet", "convnet", "resnet18", "resnet18_cifar")
 DATASETS = ("synthetic", "linear", "fake", "cifar10", "cifar100", "imagefolder")
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("constant", "cosine", "step", "onecycle")
 PRECISIONS = ("no", "fp16", "bf16")
 PROGRESS = ("auto", "rich", "plain", "none")
+AUGMENTS = ("auto", "none", "standard", "trivialaugment")  # augment.AUGMENTS, and auto
+PIPELINES = ("batched", "per-sample")
 
 
 class ConfigError(ValueError):
@@ -72,6 +74,24 @@ class TrainConfig:
     image_size: int | None = _opt(
         None, "resize images to this side length (e.g. 224 to upscale CIFAR as in the ResNet-18 experiment)"
     )
+    data_pipeline: str = _opt(
+        "batched", "batched: datasets held in memory (CIFAR, the generated ones, a user's tensors) stay on the training "
+        "device and are augmented a batch at a time there; per-sample: every sample through the DataLoader (CIFAR "
+        "through torchvision's PIL path). Datasets read from files are always per sample", choices=PIPELINES)
+
+    # Augmentation (training only; each sample's is a function of --seed, the epoch and its index).
+    augment: str = _opt(
+        "auto", "none; standard: random crop (4 px padding) + flip, RandomResizedCrop + flip for imagefolder; "
+        "trivialaugment: standard + TrivialAugmentWide; auto: standard for cifar10/cifar100/imagefolder, else none",
+        choices=AUGMENTS)
+    mixup: float = _opt(0.0, "mix each training image with a partner sample, weight ~ Beta(A, A) (torchvision's "
+                             "reference: 0.2); 0: off", metavar="A")
+    cutmix: float = _opt(0.0, "paste a box of a partner sample, area ~ Beta(A, A) (torchvision's reference: 1.0); "
+                              "with --mixup too, each sample takes one of the two", metavar="A")
+    label_smoothing: float = _opt(0.0, "cross-entropy label smoothing (torchvision's reference: 0.1)", metavar="X")
+    ema: float | None = _opt(None, "keep an exponential moving average of the weights with this decay (e.g. 0.999): "
+                                   "evaluated, kept as best and saved as model.safetensors instead of the raw weights",
+                             metavar="DECAY")
 
     # How long and how big.
     epochs: int = _opt(3, "passes over the training set")
@@ -116,7 +136,9 @@ class TrainConfig:
         1800, "seconds a process waits for the others at a collective before failing with an error"
     )
     seed: int = _opt(42, "seed for weights, data order and generated data")
-    num_workers: int = _opt(0, "DataLoader worker processes per training process")
+    num_workers: int | None = _opt(
+        None, "DataLoader worker processes per training process (default: none for data in memory; for the built-in "
+        "datasets read per sample, the CPU cores per process minus one, at most 8)")
 
     # Output.
     output_dir: str | None = _opt(None, "where the run writes its files (default: runs/<time>-<model>-<dataset>)")
@@ -161,9 +183,15 @@ class TrainConfig:
         for name in ("lr", "lr_gamma"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("momentum", "weight_decay", "warmup_steps", "num_workers", "seed"):
+        for name in ("momentum", "weight_decay", "warmup_steps", "seed", "mixup", "cutmix", "label_smoothing"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ConfigError(f"--num-workers must not be negative, got {self.num_workers}")
+        if not self.label_smoothing < 1:
+            raise ConfigError(f"--label-smoothing must be below 1, got {self.label_smoothing}")
+        if self.ema is not None and not 0 < self.ema < 1:
+            raise ConfigError(f"--ema takes a decay between 0 and 1 (e.g. 0.999), got {self.ema}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
         if self.batch_size % self.grad_accum:

@@ -112,12 +112,24 @@ def resnet18(data: Data) -> nn.Module:
     return torchvision().models.resnet18(weights=None, num_classes=data.num_classes)
 
 
+def resnet18_cifar(data: Data) -> nn.Module:
+    """ResNet-18 for 32x32 images: torchvision's, with a 3x3 stride-1 first convolution and no max-pool, so
+    that the 32x32 input reaches the last stage at 4x4 instead of 1x1 (kuangliu/pytorch-cifar's network,
+    behind its 93-95 % on CIFAR-10)."""
+    _image_classes("resnet18_cifar", data)
+    model = torchvision().models.resnet18(weights=None, num_classes=data.num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
 MODELS: dict[str, Callable[[Data], nn.Module]] = {
     "linreg": linreg,
     "mlp": mlp,
     "lenet": lenet,
     "convnet": convnet,
     "resnet18": resnet18,
+    "resnet18_cifar": resnet18_cifar,
 }
 
 

@@ -66,8 +66,9 @@ def _class_scores(outputs, targets: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def cross_entropy(outputs, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(_class_scores(outputs, targets), targets)
+def cross_entropy(outputs, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Targets are class indices, or class probabilities [B, C] (mixup, cutmix)."""
+    return F.cross_entropy(_class_scores(outputs, targets), targets, label_smoothing=label_smoothing)
 
 
 def _values(outputs, targets: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,14 +35,15 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.utils import (ProjectConfiguration, TorchDynamoPlugin, broadcast, broadcast_object_list,
                               find_batch_size, gather_object, recursively_apply, set_seed)
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from . import components, engines, speedups
+from . import augment as augmentation
+from . import components, engines, speedups, tasks
 from .checkpoints import BEST, Checkpoints, check_model, find_resume, parameter_shapes, read_state, write_failure, WRITE_ERRORS
 from .checkpoints import load as load_checkpoint
 from .components import Workload, first_samples
 from .config import ConfigError, TrainConfig, make_config
-from .data import Data, Guarded, IndexBatches, InMemory, reads_files, sample_name, steps_per_epoch
+from .data import DATASETS, Data, Guarded, IndexBatches, InMemory, PerSample, augmented, reads_files, sample_name, steps_per_epoch
 from .metrics import RunFiles, check_not_in_use, device_peak_flops, lock_run_folder, fingerprint, flops_per_sample, library_versions, peak_memory_mb
 from .models import sync_batchnorm
 from .optim import build_optimizer, build_scheduler
@@ -125,16 +127,20 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     # One sample through the model, the loss and the metrics, before anything is written.
     loss_fn, loss_name, metrics = components.check_fit(job)
     _check_save_best(cfg, metrics, data)
+    augment = augmentation.from_config(cfg, data)  # None, or each sample's from (seed, epoch, index)
+    loss_fn = _cross_entropy_options(cfg, loss_fn, loss_name, augment)
+    if cfg.ema and engine != "DDP":
+        raise ConfigError(f"--ema needs the whole model on every process; with {engine} each holds a shard")
     shapes = parameter_shapes(model)
     # Counted on the main process only, so before BatchNorm layers become collective (--sync-bn).
     flops = flops_per_sample(model, first_samples(data.train, 1)) if accelerator.is_main_process else 0
+    # Compared (and made equal, with a note) before `prepare`, whose DDP wrapper would silently copy
+    # rank 0's weights over a seeding mistake.
     notes = _same_initial_weights(accelerator, model)
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    # Compared before `prepare`, whose DDP wrapper would copy rank 0's weights over a seeding mistake.
-    ranks_agree = check_ranks_agree(accelerator, model, "initial")
     peak_flops = device_peak_flops(accelerator.device)
     per_epoch = steps_per_epoch(data, cfg)
     total_steps = cfg.max_steps or cfg.epochs * per_epoch  # --max-steps wins over --epochs, as in HF's Trainer
@@ -143,11 +149,21 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     optimizer = build_optimizer(cfg, model.parameters(), lr)
     scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch)
 
-    train_loader, eval_loader = build_loaders(cfg, data, world, pin_memory=accelerator.device.type == "cuda")
+    train_loader, eval_loader = build_loaders(cfg, data, world, accelerator.device, augment)
     input_dtype = engines.prepare_deepspeed(accelerator, per_process_batch)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
+
+    # The exponential moving average of the weights: updated after every optimizer step, evaluated and
+    # saved in their place, and part of every checkpoint.
+    ema = None
+    if cfg.ema:
+        ema = torch.optim.swa_utils.AveragedModel(
+            accelerator.unwrap_model(model, keep_torch_compile=False), use_buffers=True,
+            multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema))
+        accelerator.register_for_checkpointing(ema)
+    trained = accelerator.unwrap_model(model, keep_torch_compile=False) if ema else None
 
     # Where the run starts: step 0, or a checkpoint's step with its RNGs, optimizer and schedule.
     step, skipped, evals, best = 0, 0, [], None
@@ -223,12 +239,14 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             seen = (step - epoch * per_epoch) * cfg.grad_accum
             batches = accelerator.skip_first_batches(train_loader, seen) if seen else train_loader
             batches.set_epoch(epoch)
+            if augment:
+                augment.set_epoch(epoch)  # and each sample's augmentation, whatever process or batch reads it
             batch_ready = time.perf_counter()
             for batch in batches:
                 data_wait += time.perf_counter() - batch_ready
                 if guarded:  # (batch, indices of the samples that could not be read, else -1)
                     batch, indices = batch
-                    unreadable += [i for i in indices.tolist() if i >= 0]
+                    unreadable += [i for i in indices if i >= 0]  # plain ints: no device sync
                 batch = model_inputs(batch, cfg.channels_last, input_dtype)
                 with accelerator.accumulate(model):
                     outputs, targets = forward(model, batch)
@@ -250,6 +268,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
                                 accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                             optimizer.step()
                             scheduler.step()
+                            if ema:
+                                ema.update_parameters(trained)
                             # fp16: the grad scaler skips a step whose gradients overflowed (no host sync: a flag)
                             overflows += accelerator.optimizer_step_was_skipped
                     optimizer.zero_grad()
@@ -295,8 +315,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             eval_start = time.perf_counter()
             if eval_loader is not None:
-                results = evaluate(accelerator, model, eval_loader, loss_fn, metrics, cfg.channels_last, input_dtype,
-                                   guarded=reads_files(data.eval))
+                results = evaluate(accelerator, ema.module if ema else model, eval_loader, loss_fn, metrics,
+                                   cfg.channels_last, input_dtype, guarded=reads_files(data.eval))
                 if results.pop("unreadable", False):  # an evaluation counts every sample: never skipped
                     raise_unreadable(results["unreadable_indices"], "evaluation", step)
                 results.pop("unreadable_indices", None)
@@ -313,12 +333,13 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             interval_start += time.perf_counter() - eval_start  # evaluation is not training time
             stop_if_signalled()
 
-    ranks_agree = ranks_agree and check_ranks_agree(accelerator, model, "final")
+    ranks_agree = check_ranks_agree(accelerator, model, "final")
     accelerator.wait_for_everyone()
     # Accelerate saves a compiled model under its wrapper's names (`_orig_mod.fc1.weight`); saved from
     # the module itself, the weights load into the model as the user built it. FSDP and DeepSpeed need
     # their wrapper to gather the full weights.
     to_save = model if engine != "DDP" else accelerator.unwrap_model(model, keep_torch_compile=False)
+    to_save = ema.module if ema else to_save
     try:
         accelerator.save_model(to_save, out)
     except WRITE_ERRORS as e:
@@ -333,6 +354,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
         "dataset": job.dataset_name,
         "loss_function": loss_name,
         "metrics": list(metrics),
+        "augment": _describe_augment(augment, cfg),
+        "weights": f"ema (decay {cfg.ema})" if ema else "trained",
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
         "device": accelerator.device.type,
@@ -396,7 +419,8 @@ def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
                                    non_blocking=True)  # copies from pinned memory overlap the GPU's work
 
 
-def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) -> tuple[DataLoader, DataLoader | None]:
+def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device,
+                  augment: augmentation.Augment | None = None) -> tuple[DataLoader, DataLoader | None]:
     """The training loader yields global micro-batches; the evaluation loader `--eval-batch-size` per process
     (None without an evaluation set)."""
     per_epoch = steps_per_epoch(data, cfg)
@@ -405,29 +429,73 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, pin_memory: bool) ->
     # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
     sampler = RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size)
     micro_batch = cfg.batch_size // cfg.grad_accum
-    train_set = data.train
-    if isinstance(data.train, InMemory):  # whole batches at once, as index tensors
+    train_set = _placed(augmented(data.raw, augment) if augment else data.train, cfg, device)
+    eval_set = _placed(data.eval, cfg, device) if data.eval is not None else None
+    workers = cfg.num_workers
+    if workers is None:  # workers for the built-in datasets read per sample; a user's may not survive spawn
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        per_sample = not (isinstance(train_set, InMemory) and cfg.data_pipeline == "batched")
+        workers = min(8, max(1, (os.cpu_count() or 1) // local - 1)) if per_sample and cfg.dataset in DATASETS else 0
+
+    def loading(dataset) -> dict:
+        if isinstance(dataset, InMemory) and dataset.tensors[0].device.type != "cpu":  # gathered right here
+            return {"num_workers": 0, "pin_memory": False}
+        return {"num_workers": workers, "pin_memory": device.type == "cuda", "persistent_workers": workers > 0}
+
+    if isinstance(train_set, InMemory) and cfg.data_pipeline == "batched":  # whole batches at once
         batching = {"batch_sampler": IndexBatches(sampler, micro_batch), "collate_fn": InMemory.collate}
     else:
         batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True}
-        if reads_files(data.train):
-            train_set, batching["collate_fn"] = Guarded(data.train), Guarded.collate
+        if reads_files(train_set):
+            train_set, batching["collate_fn"] = Guarded(train_set), Guarded.collate
     # Each loader draws its workers' base seed from a generator of its own at every iteration, not from
     # the global RNG: a resumed run starts a new iteration mid-epoch, which would shift every random
     # number the model draws after it (dropout) against the uninterrupted run.
-    train_loader = DataLoader(train_set, num_workers=cfg.num_workers, pin_memory=pin_memory,
-                              persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed),
+    train_loader = DataLoader(train_set, generator=torch.Generator().manual_seed(cfg.seed), **loading(train_set),
                               **batching)
-    if data.eval is None:
+    if eval_set is None:
         return train_loader, None
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
-    guarded = reads_files(data.eval)
-    eval_loader = DataLoader(Guarded(data.eval) if guarded else data.eval, batch_size=per_process * world,
-                             shuffle=False, num_workers=cfg.num_workers, pin_memory=pin_memory,
-                             generator=torch.Generator().manual_seed(cfg.seed),
-                             collate_fn=Guarded.collate if guarded else InMemory.collate if isinstance(data.eval, InMemory)
+    guarded = reads_files(eval_set)
+    eval_loader = DataLoader(Guarded(eval_set) if guarded else eval_set, batch_size=per_process * world,
+                             shuffle=False, generator=torch.Generator().manual_seed(cfg.seed), **loading(eval_set),
+                             collate_fn=Guarded.collate if guarded else InMemory.collate if isinstance(eval_set, InMemory)
                              else None)
     return train_loader, eval_loader
+
+
+def _placed(dataset, cfg: TrainConfig, device: torch.device):
+    """Tensors in memory are served a batch at a time (`--data-pipeline batched`), from the training
+    device when they take at most half of its free memory; or one sample at a time (`per-sample`)."""
+    if type(dataset) not in (TensorDataset, InMemory):  # a subclass may have a __getitem__ of its own
+        return dataset
+    if cfg.data_pipeline == "per-sample":  # one sample per __getitem__, collated by the DataLoader
+        plain = TensorDataset(*dataset.tensors)
+        if isinstance(dataset, InMemory) and (dataset.prepare or dataset.augment):
+            return PerSample(plain, dataset.prepare, dataset.augment)
+        return plain
+    if not isinstance(dataset, InMemory):
+        dataset = InMemory(*dataset.tensors)
+    if device.type == "cuda" and dataset.nbytes() <= torch.cuda.mem_get_info(device)[0] // 2:
+        dataset = dataset.on(device)
+    return dataset
+
+
+def _cross_entropy_options(cfg: TrainConfig, loss_fn, loss_name: str, augment) -> callable:
+    """--label-smoothing, and the class probabilities of mixup and cutmix, are cross-entropy's."""
+    if not (cfg.label_smoothing or (augment and augment.mixes)):
+        return loss_fn
+    if loss_fn is not tasks.cross_entropy:
+        raise ConfigError(f"--label-smoothing, --mixup and --cutmix apply to the cross_entropy loss; this run uses {loss_name}")
+    return partial(tasks.cross_entropy, label_smoothing=cfg.label_smoothing) if cfg.label_smoothing else loss_fn
+
+
+def _describe_augment(augment, cfg: TrainConfig) -> str:
+    if augment is None:
+        return "none"
+    parts = [augment.kind] if augment.kind != "none" else []
+    parts += [f"mixup {cfg.mixup}"] * bool(cfg.mixup) + [f"cutmix {cfg.cutmix}"] * bool(cfg.cutmix)
+    return ", ".join(parts)
 
 
 def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, channels_last: bool = False,
@@ -448,7 +516,7 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
         for batch in loader:
             if guarded:
                 batch, indices = batch
-                unreadable += [i for i in indices.tolist() if i >= 0]
+                unreadable += [i for i in indices if i >= 0]
             batch = model_inputs(batch, channels_last, input_dtype)
             size = find_batch_size(batch)
             real = _real_samples(accelerator, size)
@@ -544,7 +612,7 @@ def _warn_if_one_process_was_meant(state: PartialState) -> None:
     launched = "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_ADDR" in os.environ
     if state.num_processes == 1 and launched and "WORLD_SIZE" not in os.environ:
         print("acc-trainer: warning: accelerate launch started ONE process (without --multi_gpu it starts several "
-              "only on GPUs); for 2: accelerate launch --multi_gpu --num_processes 2 -m acc_trainer ..., or "
+              "only on GPUs); for N: accelerate launch --multi_gpu --num_processes N -m acc_trainer ..., or "
               "--config_file accelerate_configs/cpu_ddp.yaml", file=sys.stderr)
 
 

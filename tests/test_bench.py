@@ -15,18 +15,24 @@ from test_reports import assert_png
 def test_bench_runs_every_variant_and_writes_its_files(tmp_path):
     out = tmp_path / "bench"
     result = check(run_cli("bench", "--model", "mlp", "--dataset", "fake", "--batch-size", "32", "--train-size", "256",
-                           "--processes", "1,2", "--steps", "6", "--repeats", "1", "--bench-dir", out, cwd=tmp_path))
+                           "--processes", "1,2", "--steps", "6", "--repeats", "1", "--pipelines", "batched,per-sample",
+                           "--bench-dir", out, cwd=tmp_path))
     report = json.loads((out / "bench.json").read_text())
     rows = {(r["implementation"], r["processes"]): r for r in report["rows"]}
-    assert set(rows) == {("acc_trainer", 1), ("raw", 1), ("acc_trainer", 2), ("raw-ddp", 2)}
+    assert set(rows) == {("acc_trainer", 1), ("acc_trainer per-sample", 1), ("raw", 1), ("ceiling", 1),
+                         ("acc_trainer", 2), ("acc_trainer per-sample", 2), ("raw-ddp", 2)}
     for row in rows.values():
         assert row["samples_per_s"] > 0 and 0 <= row["data_time_s"] <= row["step_time_s"]
-        assert row["peak_memory_mb"] > 0
+        assert row["peak_memory_mb"] > 0 and row["data_share"] == row["data_time_s"] / row["step_time_s"]
+    one = rows[("acc_trainer", 1)]
+    assert one["vs_ceiling"] == one["samples_per_s"] / rows[("ceiling", 1)]["samples_per_s"]
+    assert set(report["pipelines"]) == {"batched", "per-sample"} and min(report["pipelines"].values()) > 0
     two = rows[("acc_trainer", 2)]
     assert two["speedup"] == two["samples_per_s"] / rows[("acc_trainer", 1)]["samples_per_s"]
     assert two["vs_baseline"] == two["samples_per_s"] / rows[("raw-ddp", 2)]["samples_per_s"]
     table = (out / "bench.md").read_text()
-    assert table.count("\n| acc_trainer |") == 2 and "| raw-ddp | 2 |" in table
+    assert table.count("\n| acc_trainer |") == 2 and "| raw-ddp | 2 |" in table and "| ceiling | 1 |" in table
+    assert "| data pipeline (loader alone, 1 process) |" in table and "\n| per-sample |" in table
     assert "dp (nn.DataParallel) needs 2+ GPUs" in result.stdout
     for figure in ("bench_performance.png", "bench_time_breakdown.png"):
         assert_png(out / figure)

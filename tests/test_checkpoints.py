@@ -287,7 +287,7 @@ def test_best_checkpoint_and_final_weights(train_in_process):
     model = build_model(cfg, data)
     model.load_state_dict(load_file(f"{out}/model.safetensors"))
     accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config(cfg))
-    _, loader = build_loaders(cfg, data, 1, pin_memory=False)
+    _, loader = build_loaders(cfg, data, 1, torch.device("cpu"))
     model, loader = accelerator.prepare(model, loader)
     metrics_again = evaluate(accelerator, model, loader, cross_entropy, {"accuracy": METRICS["accuracy"]})
     assert metrics_again["accuracy"] == s["eval"]["accuracy"] and metrics_again["samples"] == 300

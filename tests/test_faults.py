@@ -61,7 +61,7 @@ def test_one_process_where_two_were_meant_is_said(tmp_path):
                           launcher_args=["--num_processes", "2"]))
     assert summary(tmp_path / "run")["world_size"] == 1
     assert ("acc-trainer: warning: accelerate launch started ONE process (without --multi_gpu it starts several only "
-            "on GPUs); for 2: accelerate launch --multi_gpu --num_processes 2 -m acc_trainer") in result.stderr
+            "on GPUs); for N: accelerate launch --multi_gpu --num_processes N -m acc_trainer") in result.stderr
 
 
 def _finished_run_with_checkpoint(tmp_path):

@@ -50,7 +50,7 @@ def run_order(job: dict) -> dict:
     n = cfg.train_size
     indices = TensorDataset(torch.arange(n), torch.zeros(n))
     data = Data(indices, indices, "regression", None, (1,))
-    loader = accelerator.prepare(build_loaders(cfg, data, accelerator.num_processes, pin_memory=False)[0])
+    loader = accelerator.prepare(build_loaders(cfg, data, accelerator.num_processes, accelerator.device)[0])
     epochs = []
     for _ in range(cfg.epochs):
         steps, current = [], []
@@ -75,7 +75,7 @@ def run_eval(job: dict) -> dict:
             data = build_data(cfg)
             torch.manual_seed(0)
             model = build_model(cfg, data)
-            _, eval_loader = build_loaders(cfg, data, accelerator.num_processes, pin_memory=False)
+            _, eval_loader = build_loaders(cfg, data, accelerator.num_processes, accelerator.device)
             model, eval_loader = accelerator.prepare(model, eval_loader)
             results[f"{size}/{batch}"] = evaluate(accelerator, model, eval_loader, cross_entropy,
                                                   {"accuracy": METRICS["accuracy"]})

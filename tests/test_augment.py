@@ -1,0 +1,264 @@
+"""Augmentation that keeps every guarantee: the same augmented images on 1, 2 and 3 processes, with
+accumulation and after a resume; the batched device path and the per-sample DataLoader path giving the
+same pixels; and the distribution torchvision's transforms draw from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from acc_trainer.augment import Augment, crop_flip, resized_crop, uniforms
+from acc_trainer.config import TrainConfig
+from acc_trainer.components import build_data
+from acc_trainer.data import InMemory, PerSample, augmented
+from conftest import check, launch, run_cli, summary
+from test_checkpoints import interrupted
+from test_data import write_cifar
+
+# 960 training images in CIFAR-10's files, 10 steps an epoch; every augmentation option at once. An MLP:
+# LeNet with SGD at this learning rate is chaotic on these images (--grad-accum 2 alone, on one process and
+# without augmentation, ends 4e-5 away from the plain run); the MLP ends 1e-7 away with everything on.
+JOB = ["--dataset", "cifar10", "--model", "mlp", "--batch-size", "96", "--epochs", "2", "--optimizer", "sgd",
+       "--lr", "0.05", "--augment", "trivialaugment", "--mixup", "0.2", "--cutmix", "1.0", "--label-smoothing", "0.1",
+       "--ema", "0.9", "--log-every", "5", "--eval-batch-size", "50"]
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cifar")
+    write_cifar(root, "cifar10", train_per_file=192, test=200, classes=10)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(cifar, tmp_path_factory):
+    """The augmented job on 1 process, on 2, with --grad-accum 2, and on 3 through the per-sample path."""
+    out = tmp_path_factory.mktemp("runs")
+    job = [*JOB, "--data-dir", cifar]
+    check(run_cli(*job, "--output-dir", out / "1"))
+    check(launch(*job, "--output-dir", out / "2", launcher_args=["--multi_gpu", "--num_processes", "2"]))
+    check(run_cli(*job, "--grad-accum", "2", "--output-dir", out / "accum"))
+    check(launch(*job, "--data-pipeline", "per-sample", "--num-workers", "1", "--output-dir", out / "3",
+                 launcher_args=["--multi_gpu", "--num_processes", "3"]))
+    return out
+
+
+def weights(run):
+    return load_file(run / "model.safetensors")
+
+
+def max_difference(a, b) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_every_topology_trains_on_the_same_augmented_images(runs):
+    one = weights(runs / "1")
+    for other in ("2", "accum", "3"):
+        assert max_difference(one, weights(runs / other)) < 1e-5, other
+        s = summary(runs / other)
+        assert s["augment"] == "trivialaugment, mixup 0.2, cutmix 1.0" and s["weights"] == "ema (decay 0.9)"
+        assert s["eval_samples"] == 200 and s["steps"] == 20
+    assert summary(runs / "3")["world_size"] == 3
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_augmented_run_stopped_and_resumed_is_the_same_run(runs, cifar, tmp_path, world):
+    out = tmp_path / "run"
+    job = [*JOB, "--data-dir", cifar]
+    # SIGTERM in the 7th micro-batch: 1 process stops after step 7, 2 at the next log step (10, the epoch's end).
+    first = interrupted(["--signal", "TERM", "--at", 7, "--rank", world - 1], "--output-dir", out, world=world, job=job)
+    assert "stopped by SIGTERM" in first.stderr, first.stderr[-2000:]
+    again = [*job, "--output-dir", out, "--resume", "auto"]
+    result = check(run_cli(*again) if world == 1 else
+                   launch(*again, launcher_args=["--multi_gpu", "--num_processes", "2"]))
+    assert "resuming at step" in result.stdout
+    reference, resumed = weights(runs / str(world)), weights(out)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+    assert summary(out)["evals"] == summary(runs / str(world))["evals"]
+
+
+@pytest.mark.parametrize("options", [dict(kind="standard"), dict(kind="trivialaugment", mixup=0.2, cutmix=1.0)])
+def test_the_batched_and_per_sample_paths_give_the_same_pixels(cifar, options):
+    batched = build_data(TrainConfig(dataset="cifar10", data_dir=str(cifar), batch_size=32))
+    per_sample = build_data(TrainConfig(dataset="cifar10", data_dir=str(cifar), batch_size=32,
+                                        data_pipeline="per-sample"))
+    assert isinstance(batched.raw.train, InMemory) and not isinstance(per_sample.raw.train, InMemory)
+    augment = Augment(seed=7, crop="pad", size=None, num_classes=10, train_size=960, **options)
+    on_device, one_by_one = augmented(batched.raw, augment), augmented(per_sample.raw, augment)
+    assert isinstance(one_by_one, PerSample)
+    index = [3, 500, 17, 959, 0]
+    images, targets = on_device.__getitems__(index)
+    for row, i in enumerate(index):
+        image, target = one_by_one[i]
+        assert torch.equal(images[row], image) and torch.equal(targets[row], target)
+    # A sample's augmentation does not depend on the batch it comes in, and changes with the epoch.
+    assert torch.equal(on_device.__getitems__([17])[0][0], images[2])
+    augment.set_epoch(1)
+    assert not torch.equal(on_device.__getitems__([17])[0][0], images[2])
+    # Without augmentation the training images are the evaluation pipeline's: normalised, not cropped.
+    assert torch.equal(batched.train[17][0], per_sample.train[17][0])
+
+
+def test_uniforms_depend_on_seed_epoch_and_index_only():
+    index = torch.arange(20_000)
+    u = uniforms(42, 3, index, 4)
+    assert torch.equal(u[[5, 9]], uniforms(42, 3, index[[5, 9]], 4))
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert (u != uniforms(42, 4, index, 4)).float().mean() > 0.999 and (u != uniforms(43, 3, index, 4)).float().mean() > 0.999
+    corr = torch.corrcoef(u.T)
+    assert (corr - torch.eye(4)).abs().max() < 0.03  # the columns are independent
+
+
+def _mean_std(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    images = images.double()
+    return images.mean(0), images.std(0)
+
+
+def test_crops_and_flips_follow_torchvisions_distribution():
+    """The random crop with padding and the flip, drawn from the hash, against torchvision's own
+    RandomCrop(32, padding=4) + RandomHorizontalFlip over 4000 draws of one image: the same mean and
+    spread at every pixel (a 2-pixel padding or no flip is told apart)."""
+    from torchvision.transforms import v2
+
+    image = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    n = 4000
+    u = uniforms(0, 0, torch.arange(n), 3)
+    ours = _mean_std(crop_flip(image.expand(n, -1, -1, -1), u))
+    torch.manual_seed(0)
+    reference = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()])
+    theirs = _mean_std(torch.stack([reference(image) for _ in range(n)]))
+    torch.manual_seed(1)
+    again = _mean_std(torch.stack([reference(image) for _ in range(n)]))
+    wrong = v2.Compose([v2.RandomCrop(32, padding=2), v2.RandomHorizontalFlip()])
+    off = _mean_std(torch.stack([wrong(image) for _ in range(n)]))
+    gap = lambda a, b: max((a[0] - b[0]).abs().mean().item(), (a[1] - b[1]).abs().mean().item())  # noqa: E731
+    noise = gap(theirs, again)  # two torchvision samples differ by this much
+    assert gap(ours, theirs) < 1.5 * noise < gap(off, theirs)
+
+
+def test_resized_crops_follow_torchvisions_distribution():
+    from torchvision.transforms import v2
+
+    x, y = torch.arange(64.0).expand(48, 64), torch.arange(48.0)[:, None].expand(48, 64)
+    image = torch.stack([x * 4, y * 5, (x - 32).abs() * 4 + (y - 24).abs() * 2]).to(torch.uint8)  # 64x48 ramps
+    n = 1500
+    u = uniforms(0, 0, torch.arange(n), 41)
+    ours = _mean_std(torch.stack([resized_crop(image, row, 24) for row in u]))
+    reference = v2.Compose([v2.RandomResizedCrop(24, antialias=True), v2.RandomHorizontalFlip()])
+    torch.manual_seed(0)
+    theirs = _mean_std(torch.stack([reference(image) for _ in range(n)]))
+    torch.manual_seed(1)
+    again = _mean_std(torch.stack([reference(image) for _ in range(n)]))
+    wrong = v2.Compose([v2.RandomResizedCrop(24, scale=(0.3, 1), antialias=True), v2.RandomHorizontalFlip()])
+    off = _mean_std(torch.stack([wrong(image) for _ in range(n)]))
+    gap = lambda a, b: max((a[0] - b[0]).abs().mean().item(), (a[1] - b[1]).abs().mean().item())  # noqa: E731
+    noise = gap(theirs, again)
+    assert gap(ours, theirs) < 1.5 * noise < gap(off, theirs)
+
+
+def test_mixup_weights_follow_beta():
+    from acc_trainer.augment import beta_quantile
+
+    u = uniforms(1, 0, torch.arange(50_000), 1)[:, 0]
+    for alpha in (0.2, 1.0):
+        lam = beta_quantile(alpha, u)
+        variance = 1 / (4 * (2 * alpha + 1))  # of Beta(alpha, alpha), whose mean is 1/2
+        assert abs(lam.mean().item() - 0.5) < 0.01 and abs(lam.var().item() - variance) < 0.05 * variance
+    assert beta_quantile(1.0, torch.tensor([0.25, 0.5, 0.9])).allclose(torch.tensor([0.25, 0.5, 0.9], dtype=torch.float64))
+
+
+def test_ema_weights_are_the_average_of_the_trained_ones(train_in_process, tmp_path):
+    """--ema 0.5 over 3 steps: 0.25 p1 + 0.25 p2 + 0.5 p3, p_i the trained weights each checkpoint holds."""
+    s = train_in_process(model="mlp", train_size=96, eval_size=32, batch_size=32, epochs=1, optimizer="sgd",
+                         lr=0.1, ema=0.5, checkpoint_every="1")
+    out = tmp_path / "run1"
+    steps = [load_file(out / "checkpoints" / f"step-{i:08d}" / "model.safetensors") for i in (1, 2, 3)]
+    final = load_file(out / "model.safetensors")
+    for k in final:
+        expected = 0.25 * steps[0][k] + 0.25 * steps[1][k] + 0.5 * steps[2][k]
+        assert torch.allclose(final[k], expected, atol=1e-6) and not torch.allclose(final[k], steps[2][k])
+    assert s["weights"] == "ema (decay 0.5)" and s["augment"] == "none"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--dataset", "linear", "--model", "linreg", "--augment", "standard"],
+     "--augment standard needs image samples ([C, H, W] tensors with a target); linear has inputs of shape [1]"),
+    (["--dataset", "linear", "--model", "linreg", "--mixup", "0.2"], "needs image samples"),
+    (["--mixup", "0.2", "--loss", "torch.nn.functional:nll_loss"],
+     "apply to the cross_entropy loss; this run uses torch.nn.functional:nll_loss"),
+    (["--label-smoothing", "1.5"], "--label-smoothing must be below 1, got 1.5"),
+    (["--ema", "1"], "--ema takes a decay between 0 and 1"),
+    (["--augment", "random"], "argument --augment: invalid choice: 'random'"),
+    (["--data-pipeline", "fast"], "argument --data-pipeline: invalid choice: 'fast'"),
+])
+def test_augmentation_mistakes_are_one_line(main_in_process, args, message):
+    code, _, err = main_in_process("--train-size", "64", "--eval-size", "32", "--batch-size", "32", "--epochs", "1",
+                                   *args)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_resnet18_cifar_keeps_32x32_images_at_4x4_in_its_last_stage():
+    from acc_trainer.data import Data
+    from acc_trainer.models import MODELS
+
+    model = MODELS["resnet18_cifar"](Data(None, None, "classification", 10, (3, 32, 32)))
+    assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    seen = {}
+    model.layer4.register_forward_hook(lambda m, i, o: seen.update(shape=tuple(o.shape)))
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10) and seen["shape"] == (2, 512, 4, 4)
+    assert sum(p.numel() for p in model.parameters()) == 11_173_962  # kuangliu/pytorch-cifar's ResNet18: 11.17 M
+
+
+def test_every_recipe_loads_and_states_what_it_should_reach():
+    from acc_trainer.config import load_yaml, make_config
+    from conftest import REPO
+
+    recipes = sorted((REPO / "recipes").glob("*.yaml"))
+    assert len(recipes) >= 4
+    for recipe in recipes:
+        cfg = make_config(load_yaml(recipe))
+        header = recipe.read_text().split("\nmodel:")[0]
+        assert "# Expected:" in header and cfg.model and cfg.dataset, recipe.name
+
+
+def test_the_regression_recipe_reaches_the_notebooks_weights(tmp_path):
+    from conftest import REPO
+
+    check(run_cli("--config", REPO / "recipes" / "linreg.yaml", "--output-dir", tmp_path / "run", "--no-plots"))
+    learned = summary(tmp_path / "run")["learned"]
+    assert abs(learned["weight"] - 2) < 0.01 and abs(learned["bias"] - 3) < 0.01  # the notebook: 1.9982, 3.0014
+
+
+def test_augmentation_helps_a_small_training_set(monkeypatch, tmp_path):
+    """The shapes example's circles, squares and triangles at random places: 256 training images are too
+    few to learn every position; crops and flips show more of them (85.1 % -> 92.3 % on this CPU, -s prints it)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import TensorDataset
+
+    import acc_trainer
+    from acc_trainer.models import LeNet
+    from conftest import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    from shapes import load
+
+    # Drawn once into tensors (a plain TensorDataset: the batched path) rather than per sample every epoch.
+    train, evaluation = (TensorDataset(*map(torch.stack, zip(*[(x, torch.tensor(y)) for x, y in map(part.__getitem__, range(len(part)))])))
+                         for part in load(train_size=256, eval_size=1000))
+    results = {}
+    for augment in ("none", "standard"):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        acc_trainer.set_seed(42)
+        results[augment] = acc_trainer.fit(LeNet(32, 3), train, evaluation, augment=augment, epochs=30, batch_size=64,
+                                           log_every=100, plots=False, progress="none",
+                                           output_dir=str(tmp_path / augment))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    plain, augmented_run = results["none"], results["standard"]
+    print(f"shapes, 256 training images: {plain['eval']['accuracy']:.1%} without augmentation, "
+          f"{augmented_run['eval']['accuracy']:.1%} with --augment standard")
+    assert augmented_run["augment"] == "standard" and plain["augment"] == "none"
+    assert augmented_run["eval"]["accuracy"] > plain["eval"]["accuracy"] + 0.01, (plain["eval"], augmented_run["eval"])
