@@ -11,8 +11,8 @@ Accelerate and torchvision are imported when a name below is first used.
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "fit": ("acc_trainer.train", "fit"),
-    "train": ("acc_trainer.train", "train"),
+    "fit": ("acc_trainer.loop", "fit"),
+    "train": ("acc_trainer.loop", "train"),
     "check": ("acc_trainer.proofs", "check"),
     "TrainConfig": ("acc_trainer.config", "TrainConfig"),
     "ConfigError": ("acc_trainer.config", "ConfigError"),

@@ -90,7 +90,7 @@ def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
     from accelerate.utils import send_to_device
 
     from . import augment, components
-    from .train import build_loaders
+    from .loop import build_loaders
 
     cfg = replace(cfg, data_pipeline=pipeline)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
 
             return bench(argv[1:])
         cfg = parse_config(argv)
-        from .train import train  # imported here so that --help and input errors answer at once
+        from .loop import train  # imported here so that --help and input errors answer at once
 
         train(cfg)
     except ConfigError as e:

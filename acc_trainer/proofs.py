@@ -45,7 +45,7 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, config:
     """Checks a user's workload, given as to `fit`. Prints the table; returns its rows (dicts with
     check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed)."""
     from .components import from_objects
-    from .train import fit_config
+    from .loop import fit_config
 
     cfg = replace(fit_config(model, train_data, config, options), output_dir=None)
     # One thread per process: this process may have run OpenMP work already (building the data, say),
@@ -58,7 +58,7 @@ def _named_workload(cfg: TrainConfig):
     from accelerate.utils import set_seed
 
     from .components import build_workload
-    from .train import _start_processes
+    from .loop import _start_processes
 
     _start_processes(cfg)
     set_seed(cfg.seed)
@@ -107,7 +107,7 @@ class Checker:
     def run(self) -> list[dict]:
         # Imported once here and inherited by every forked job, which would otherwise import them itself:
         # torch._dynamo alone (imported by the first optimizer) costs each job about 3 s on a small CPU.
-        for module in ("torch._dynamo", "acc_trainer.train"):
+        for module in ("torch._dynamo", "acc_trainer.loop"):
             importlib.import_module(module)
         from .progress import make_console
 
@@ -158,7 +158,7 @@ def _worker(rank: int, build, cfg: TrainConfig, world: int, port: int, nudge: bo
     torch.set_num_threads(threads)
     AcceleratorState._reset_state(reset_partial_state=True)  # the parent's, copied by fork
     GradientState._reset_state()
-    from .train import run
+    from .loop import run
 
     record = {"samples": [], "draws": False}
     try:

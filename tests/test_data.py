@@ -116,7 +116,7 @@ def test_broken_torchvision_is_reported_not_a_crash(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    code = "import acc_trainer, acc_trainer.train, acc_trainer.cli; print('imported')"
+    code = "import acc_trainer, acc_trainer.loop, acc_trainer.cli; print('imported')"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == "imported\n"
     result = subprocess.run([sys.executable, "-m", "acc_trainer", "--model", "resnet18", "--max-steps", "1",
                              "--output-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,

@@ -50,7 +50,7 @@ def test_no_noise_from_libraries_the_run_does_not_use(tmp_path):
     for result in (first, again):
         assert "real_accelerator" not in result.stderr and "Setting accelerator to CPU" not in result.stderr
         assert "pickle protocol" not in result.stderr and "Warning" not in result.stderr, result.stderr
-    probe = ("import sys; from acc_trainer.config import make_config; from acc_trainer.train import train; "
+    probe = ("import sys; from acc_trainer.config import make_config; from acc_trainer.loop import train; "
              f"train(make_config(dict(model='mlp', max_steps=2, train_size=128, batch_size=64, progress='none', "
              f"output_dir={str(tmp_path / 'probe')!r}))); print('deepspeed' in sys.modules)")
     assert check(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)).stdout.strip() == "False"

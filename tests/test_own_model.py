@@ -297,3 +297,17 @@ def test_built_in_names_match_the_registries():
 
     assert config.MODELS == tuple(models.MODELS) and config.DATASETS == tuple(data.DATASETS)
     assert json.loads(json.dumps(config.TrainConfig(model_args={"a": [1]}).to_dict()))["model_args"] == {"a": [1]}
+
+
+def test_the_python_api_names_stay_callable(tmp_path):
+    """`acc_trainer.train` once was the loop's module: after any first use, `acc_trainer.train(...)` raised
+    "'module' object is not callable". Each exported name must be what it says, whatever was used first."""
+    code = ("import acc_trainer, inspect; acc_trainer.fit; acc_trainer.check; acc_trainer.parse_config; "
+            "import acc_trainer.cli, acc_trainer.proofs; "
+            "print(' '.join(n for n in acc_trainer.__all__ if not callable(getattr(acc_trainer, n))) or 'callable'); "
+            "print(acc_trainer.train(acc_trainer.TrainConfig(model='mlp', max_steps=2, eval_size=16, plots=False, "
+            f"output_dir={str(tmp_path / 'run')!r}))['steps'])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().split("\n")
+    assert (lines[0], lines[-1]) == ("callable", "2")

@@ -4,9 +4,9 @@
     accelerate launch --multi_gpu --num_processes 2 tests/topology_probe.py JOBS.json OUT_DIR
 
 One launch runs many jobs because starting processes costs more than these small jobs. Jobs:
-  train:     acc_trainer.train.train(options); the run folder is OUT_DIR/<name>
+  train:     acc_trainer.loop.train(options); the run folder is OUT_DIR/<name>
   order:     which sample indices every optimizer step of the training loader sees, over 2 epochs
-  eval:      acc_trainer.train.evaluate over eval sets of several sizes and batch sizes
+  eval:      acc_trainer.loop.evaluate over eval sets of several sizes and batch sizes
   allreduce: a train job that also counts DDP's gradient all-reduces (bucket hooks)
   disagree:  the trainer's rank-agreement check on weights changed on process 1 only
 The main process writes OUT_DIR/<name>.json for the jobs other than train.
@@ -27,7 +27,7 @@ from acc_trainer.components import build_data, build_model
 from acc_trainer.config import make_config
 from acc_trainer.data import Data
 from acc_trainer.tasks import METRICS, cross_entropy
-from acc_trainer.train import build_loaders, check_ranks_agree, dataloader_config, evaluate, train
+from acc_trainer.loop import build_loaders, check_ranks_agree, dataloader_config, evaluate, train
 
 # One process group serves every job of the launch; a fresh Accelerator per job.
 PartialState.destroy_process_group = lambda self, group=None: None

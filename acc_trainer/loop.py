@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs, PartialState
-from accelerate.utils import (ProjectConfiguration, TorchDynamoPlugin, broadcast, broadcast_object_list,
-                              find_batch_size, gather_object, recursively_apply, set_seed)
+from accelerate.utils import (DistributedType, ProjectConfiguration, TorchDynamoPlugin, broadcast,
+                              broadcast_object_list, find_batch_size, gather_object, recursively_apply, set_seed)
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
@@ -151,8 +151,13 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
 
     train_loader, eval_loader = build_loaders(cfg, data, world, accelerator.device, augment)
     input_dtype = engines.prepare_deepspeed(accelerator, per_process_batch)
+    # Batches of tensors already on the training device need no copy: Accelerate's send_to_device would
+    # still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed refuses the list.
+    placement = None if accelerator.distributed_type == DistributedType.DEEPSPEED else [
+        None, None, *(False if _on(loader, accelerator.device) else None for loader in (train_loader, eval_loader)),
+        None]
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler
+        model, optimizer, train_loader, eval_loader, scheduler, device_placement=placement
     )
 
     # The exponential moving average of the weights: updated after every optimizer step, evaluated and
@@ -462,6 +467,14 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
                              collate_fn=Guarded.collate if guarded else InMemory.collate if isinstance(eval_set, InMemory)
                              else None)
     return train_loader, eval_loader
+
+
+def _on(loader: DataLoader | None, device: torch.device) -> bool:
+    """Whether the loader's batches are gathered on `device` itself."""
+    if loader is None or not isinstance(loader.dataset, InMemory):
+        return False
+    where = loader.dataset.tensors[0].device
+    return where.type == device.type and device.index in (None, where.index)
 
 
 def _placed(dataset, cfg: TrainConfig, device: torch.device):
