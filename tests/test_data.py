@@ -103,6 +103,38 @@ def test_imagefolder_trains_on_pngs(tmp_path, train_in_process):
     assert s["eval"]["accuracy"] == 1.0  # three flat colours: anything that learns separates them
 
 
+def test_imagefolder_evaluates_on_the_centre_and_trains_on_random_resized_crops(tmp_path):
+    """Evaluation: short side resized to size / 0.875, then the central crop (torchvision's reference
+    256 -> 224), normalised; never random. Training (augment auto = standard): RandomResizedCrop + flip."""
+    from PIL import Image
+    from torchvision import transforms as T
+
+    from acc_trainer.augment import from_config
+    from acc_trainer.data import augmented
+
+    write_imagefolder(tmp_path, {"train": 3, "val": 2})
+    config = TrainConfig(dataset="imagefolder", data_dir=str(tmp_path), batch_size=2, image_size=24)
+    data = build_data(config)
+    path, _ = data.eval.base.samples[1]
+    expected = T.Compose([T.PILToTensor(), T.Resize(round(24 / 0.875), antialias=True), T.CenterCrop(24),
+                          T.ConvertImageDtype(torch.float32), T.Normalize((0.5,) * 3, (0.5,) * 3)])(Image.open(path))
+    # Within one level of 255 (torchvision's two uint8 resize kernels round differently); another crop
+    # of these noisy images would differ by tens of levels.
+    assert (data.eval[1][0] - expected).abs().max() <= 2 / 255 + 1e-6
+    assert torch.equal(data.eval[1][0], data.eval[1][0])
+    augment = from_config(config, data)
+    assert (augment.kind, augment.crop, augment.size) == ("standard", "resized", 24)
+    train = augmented(data.raw, augment)
+    crops = [train[4][0]]
+    for epoch in (1, 2):
+        augment.set_epoch(epoch)
+        crops.append(train[4][0])
+    assert all(c.shape == (3, 24, 24) for c in crops)
+    assert not torch.equal(crops[0], crops[1]) and not torch.equal(crops[1], crops[2])
+    augment.set_epoch(0)
+    assert torch.equal(train[4][0], crops[0])  # a function of (seed, epoch, index): drawn again, the same
+
+
 def test_imagefolder_with_mismatched_classes(tmp_path):
     write_imagefolder(tmp_path, {"train": 2, "val": 2})
     (tmp_path / "val" / "blue").rename(tmp_path / "val" / "purple")
