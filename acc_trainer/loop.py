@@ -317,6 +317,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
                 if checkpoint_steps and step % checkpoint_steps == 0:
                     save_checkpoint()
                 stop_if_signalled(check=step % cfg.log_every == 0)
+                batch_ready = time.perf_counter()  # logging and checkpoints are not waiting for data
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             eval_start = time.perf_counter()
             if eval_loader is not None:
