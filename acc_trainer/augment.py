@@ -146,6 +146,11 @@ def from_config(config, data) -> Augment | None:
     if mixes and not (data.task == "classification" and data.num_classes):
         raise ConfigError(f"--mixup/--cutmix need class labels and a known number of classes; {config.dataset} has "
                           f"{data.task or 'no'} targets")
+    if kind == "trivialaugment":
+        dtype = torch.as_tensor(data.raw.train[0][0]).dtype
+        if dtype != torch.uint8:  # torchvision's operations take floats as [0, 1] and clamp them there
+            raise ConfigError(f"--augment trivialaugment needs uint8 images (0-255); {config.dataset} has {dtype} "
+                              "images (use --augment standard, or give the dataset its uint8 images)")
     if kind == "none" and data.raw.crop == "resized":  # images of many sizes: only the random crop makes them one
         raise ConfigError(f"--mixup/--cutmix on {config.dataset} need --augment standard or trivialaugment")
     return Augment(kind, config.seed, data.raw.crop, data.raw.size, config.mixup, config.cutmix, data.num_classes,
@@ -194,9 +199,14 @@ def resized_crop(image: torch.Tensor, u: torch.Tensor, size: int) -> torch.Tenso
         if 0 < w <= W and 0 < h <= H:
             top, left = int(c * (H - h + 1)), int(d * (W - w + 1))
             break
-    else:  # the central crop of the largest allowed aspect ratio
+    else:  # torchvision's fallback: the central crop, the image's long side cut to the allowed aspect ratio
         ratio = W / H
-        w, h = (W, round(W / (4 / 3))) if ratio > 4 / 3 else (round(H * 3 / 4), H) if ratio < 3 / 4 else (W, H)
+        if ratio < 3 / 4:  # tall
+            w, h = W, round(W / (3 / 4))
+        elif ratio > 4 / 3:  # wide
+            w, h = round(H * 4 / 3), H
+        else:
+            w, h = W, H
         top, left = (H - h) // 2, (W - w) // 2
     out = TF.resized_crop(image, top, left, h, w, [size, size], antialias=True)
     return out.flip(-1) if u[40] < 0.5 else out
@@ -204,14 +214,15 @@ def resized_crop(image: torch.Tensor, u: torch.Tensor, size: int) -> torch.Tenso
 
 def trivial_augment(x, u: torch.Tensor):
     """torchvision's TrivialAugmentWide on each image (uint8), its random choices seeded from u: the
-    transform draws from the global CPU generator, which is forked around every sample."""
+    transform draws from the global CPU generator, which is forked around every sample and seeded alone
+    (torch.manual_seed would also reseed every CUDA generator: the model's dropout on a GPU)."""
     from torchvision.transforms import v2
 
     op = v2.TrivialAugmentWide()
     out = []
     for image, seed in zip(x, (u[:, 0] * 2**31).long().tolist()):
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
             out.append(op(image))
     return torch.stack(out)
 

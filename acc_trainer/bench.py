@@ -95,9 +95,12 @@ def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
     cfg = replace(cfg, data_pipeline=pipeline)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
     data = components.build_data(cfg)
-    loader, _ = build_loaders(cfg, data, 1, device, augment.from_config(cfg, data))
+    augmentation = augment.from_config(cfg, data)
+    loader, _ = build_loaders(cfg, data, 1, device, augmentation)
     done, start = 0, None
     for epoch in range(batches):
+        if augmentation:
+            augmentation.set_epoch(epoch)
         for batch in loader:
             if start is None:  # the first batch starts workers: not counted
                 start = time.perf_counter()
@@ -107,7 +110,7 @@ def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
             if done == batches:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                return done * cfg.batch_size / (time.perf_counter() - start)
+                return done * (cfg.batch_size // cfg.grad_accum) / (time.perf_counter() - start)  # micro-batches
     raise ConfigError(f"the data pipeline bench needs more than {batches} batches of the training set")
 
 

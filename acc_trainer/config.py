@@ -188,6 +188,9 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"--num-workers must not be negative, got {self.num_workers}")
+        for name in ("mixup", "cutmix"):  # Beta(a, a); above ~100 it is 0.5 to three decimals
+            if not 0 <= getattr(self, name) <= 100:
+                raise ConfigError(f"--{_flag(name)} takes a Beta parameter from 0 (off) to 100, got {getattr(self, name)}")
         if not self.label_smoothing < 1:
             raise ConfigError(f"--label-smoothing must be below 1, got {self.label_smoothing}")
         if self.ema is not None and not 0 < self.ema < 1:

@@ -152,8 +152,9 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     train_loader, eval_loader = build_loaders(cfg, data, world, accelerator.device, augment)
     input_dtype = engines.prepare_deepspeed(accelerator, per_process_batch)
     # Batches of tensors already on the training device need no copy: Accelerate's send_to_device would
-    # still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed refuses the list.
-    placement = None if accelerator.distributed_type == DistributedType.DEEPSPEED else [
+    # still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed and Megatron-LM refuse
+    # the list; FSDP2 and tensor parallelism ignore it.
+    placement = None if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM) else [
         None, None, *(False if _on(loader, accelerator.device) else None for loader in (train_loader, eval_loader)),
         None]
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from acc_trainer.augment import Augment, crop_flip, resized_crop, uniforms
+from acc_trainer.augment import Augment, crop_flip, resized_crop, trivial_augment, uniforms
 from acc_trainer.config import TrainConfig
 from acc_trainer.components import build_data
 from acc_trainer.data import InMemory, PerSample, augmented
@@ -157,6 +157,30 @@ def test_resized_crops_follow_torchvisions_distribution():
     assert gap(ours, theirs) < 1.5 * noise < gap(off, theirs)
 
 
+@pytest.mark.parametrize("height, width", [(8, 32), (40, 10)])
+def test_a_crop_of_an_extreme_aspect_ratio_falls_back_as_torchvisions(height, width):
+    """No try fits a 4:1 image (full area, ratio 3/4-4/3): torchvision then takes the central crop with the long
+    side cut to the allowed ratio, which lies inside the image (no black border)."""
+    from torchvision.transforms import RandomResizedCrop
+    from torchvision.transforms.v2 import functional as TF
+
+    image = torch.randint(0, 256, (3, height, width), dtype=torch.uint8)
+    top, left, h, w = RandomResizedCrop.get_params(image, scale=(1.0, 1.0), ratio=(3 / 4, 4 / 3))
+    assert 0 <= top and 0 <= left and top + h <= height and left + w <= width
+    u = torch.ones(41)  # every try: the whole area, ratio 4/3; no flip
+    assert torch.equal(resized_crop(image, u, 12), TF.resized_crop(image, top, left, h, w, [12, 12], antialias=True))
+
+
+def test_trivialaugment_leaves_the_cuda_generators_alone(monkeypatch):
+    """Seeding each image's operation must not reseed the GPU's generators (the model's dropout there)."""
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    before = torch.get_rng_state()
+    out = trivial_augment(images, uniforms(0, 0, torch.arange(4), 1))
+    assert out.shape == images.shape and reseeded == [] and torch.equal(torch.get_rng_state(), before)
+
+
 def test_mixup_weights_follow_beta():
     from acc_trainer.augment import beta_quantile
 
@@ -189,6 +213,10 @@ def test_ema_weights_are_the_average_of_the_trained_ones(train_in_process, tmp_p
      "apply to the cross_entropy loss; this run uses torch.nn.functional:nll_loss"),
     (["--label-smoothing", "1.5"], "--label-smoothing must be below 1, got 1.5"),
     (["--ema", "1"], "--ema takes a decay between 0 and 1"),
+    (["--mixup", "inf"], "--mixup takes a Beta parameter from 0 (off) to 100, got inf"),
+    (["--cutmix", "nan"], "--cutmix takes a Beta parameter from 0 (off) to 100, got nan"),
+    (["--dataset", "fake", "--augment", "trivialaugment"],
+     "--augment trivialaugment needs uint8 images (0-255); fake has torch.float32 images"),
     (["--augment", "random"], "argument --augment: invalid choice: 'random'"),
     (["--data-pipeline", "fast"], "argument --data-pipeline: invalid choice: 'fast'"),
 ])
