@@ -56,7 +56,7 @@ def uniforms(seed: int, epoch: int, index: torch.Tensor, count: int) -> torch.Te
     """
     key = _mix((_mix(seed & _M32) + epoch * 0x9E3779B9) & _M32)
     base = _mix((index.long() & _M32) ^ key)
-    columns = torch.tensor([_mix((c + 1) * 0x632BE5AB & _M32) for c in range(count)], device=index.device)
+    columns = _mix((torch.arange(1, count + 1, device=index.device) * 0x632BE5AB) & _M32)  # made where used
     return _mix((base[:, None] + columns) & _M32).double() / 2.0**32
 
 
@@ -227,7 +227,7 @@ def trivial_augment(x, u: torch.Tensor):
     return torch.stack(out)
 
 
-_QUANTILES: dict[float, torch.Tensor] = {}
+_QUANTILES: dict[tuple, torch.Tensor] = {}  # (alpha, device): copied to a device once, not every batch
 
 
 def beta_quantile(alpha: float, u: torch.Tensor) -> torch.Tensor:
@@ -236,7 +236,9 @@ def beta_quantile(alpha: float, u: torch.Tensor) -> torch.Tensor:
     The table integrates the density once: with s = x**alpha the integrand of the CDF on [0, 1/2] is
     (1 - s**(1/alpha))**(alpha - 1), bounded there; the upper half follows from symmetry.
     """
-    if alpha not in _QUANTILES:
+    if (alpha, u.device) in _QUANTILES:
+        table = _QUANTILES[alpha, u.device]
+    else:
         s = np.linspace(0.0, 0.5**alpha, 200_001)
         f = (1 - s ** (1 / alpha)) ** (alpha - 1)
         cdf = np.concatenate([[0.0], np.cumsum((f[1:] + f[:-1]) / 2 * np.diff(s))])
@@ -244,8 +246,8 @@ def beta_quantile(alpha: float, u: torch.Tensor) -> torch.Tensor:
         x = s ** (1 / alpha)
         grid = np.linspace(0.0, 0.5, 4097)
         lower = np.interp(grid, cdf, x)
-        _QUANTILES[alpha] = torch.from_numpy(np.concatenate([lower, 1 - lower[-2::-1]]))  # over u in [0, 1]
-    table = _QUANTILES[alpha].to(u.device)
+        table = torch.from_numpy(np.concatenate([lower, 1 - lower[-2::-1]])).to(u.device)  # over u in [0, 1]
+        _QUANTILES[alpha, u.device] = table
     position = u.double() * (len(table) - 1)
     low = position.floor().long().clamp(max=len(table) - 2)
     return torch.lerp(table[low], table[low + 1], position - low)
