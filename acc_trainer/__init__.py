@@ -13,11 +13,11 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "fit": ("acc_trainer.loop", "fit"),
     "train": ("acc_trainer.loop", "train"),
-    "check": ("acc_trainer.proofs", "check"),
+    "check": ("acc_trainer.tools.check", "check"),
     "TrainConfig": ("acc_trainer.config", "TrainConfig"),
     "ConfigError": ("acc_trainer.config", "ConfigError"),
     "TrainingStopped": ("acc_trainer.stopping", "TrainingStopped"),
-    "parse_config": ("acc_trainer.cli", "parse_config"),  # acc-trainer's flags, for a script of your own
+    "parse_config": ("acc_trainer.flags", "parse_config"),  # acc-trainer's flags, for a script of your own
     "set_seed": ("accelerate.utils", "set_seed"),  # seeds Python, NumPy and torch on this process
 }
 __all__ = list(_EXPORTS)

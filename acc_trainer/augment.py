@@ -135,7 +135,9 @@ def from_config(config, data) -> Augment | None:
 
     kind = config.augment
     if kind == "auto":
-        kind = "standard" if config.dataset in ("cifar10", "cifar100", "imagefolder") else "none"
+        # The CIFAR recipe's augmentation for the built-in CIFAR sets; a user's own images (imagefolder,
+        # their datasets) are left as they are unless the run asks.
+        kind = "standard" if config.dataset in ("cifar10", "cifar100") else "none"
     mixes = config.mixup > 0 or config.cutmix > 0
     if kind == "none" and not mixes:
         return None

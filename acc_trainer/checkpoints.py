@@ -15,6 +15,7 @@ import random
 import re
 import shutil
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -35,13 +36,18 @@ MAY_CHANGE = {"output_dir", "resume", "data_dir", "num_workers", "data_pipeline"
 
 
 class Checkpoints:
-    """Saves checkpoints of one run; every process calls `save` (each writes its own RNG state)."""
+    """The checkpoints of one run; every process writes through `writing` (each writes its own RNG state)."""
 
     def __init__(self, accelerator: Accelerator, folder: Path, keep_last: int | None):
         self.accelerator, self.folder, self.keep_last = accelerator, folder, keep_last
         self.last: Path | None = None
 
-    def save(self, state: dict, name: str | None = None) -> Path:
+    @contextmanager
+    def writing(self, state: dict, name: str | None = None):
+        """`with checkpoints.writing(state) as folder: accelerator.save_state(folder)`: every process
+        writes its part into a temporary folder, the main process adds `state` (trainer_state.json), and
+        the folder takes its final name only once every process has written. A write that fails on any
+        process stops every process, naming the reason and the last complete checkpoint."""
         name = name or f"step-{state['step']:08d}"
         final, tmp = self.folder / name, self.folder / f".tmp-{name}"
         main = self.accelerator.is_main_process
@@ -50,7 +56,7 @@ class Checkpoints:
         self.accelerator.wait_for_everyone()
         error = None
         try:
-            self.accelerator.save_state(str(tmp))
+            yield tmp
             if main:
                 (tmp / STATE_FILE).write_text(json.dumps(state))
         except WRITE_ERRORS as e:
@@ -76,7 +82,6 @@ class Checkpoints:
         self.accelerator.wait_for_everyone()
         if name != BEST:
             self.last = final
-        return final
 
     def _prune(self) -> None:
         if self.keep_last:
@@ -198,16 +203,22 @@ def check_model(path: Path, state: dict, model) -> None:
     raise ConfigError(f"checkpoint {path} holds a different model: {'; '.join(detail)}")
 
 
-def load(accelerator: Accelerator, path: Path) -> None:
-    """`accelerator.load_state`, with a damaged file reported as the user's problem, naming it, and
-    every process's random number generators checked to be the checkpoint's."""
+@contextmanager
+def reading(path: Path):
+    """Around `accelerator.load_state(path)`: a damaged file is the user's problem, reported naming it
+    (safetensors, pickle and torch each raise their own types for a bad file)."""
     try:
         with warnings.catch_warnings():
             # torch warns that Accelerate's own files use pickle protocol 4: nothing the user can act on.
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-            accelerator.load_state(str(path))
-    except Exception as e:  # safetensors, pickle and torch each raise their own types for a bad file
+            yield
+    except Exception as e:
         raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first_line(e)})") from None
+
+
+def check_random_states(accelerator: Accelerator, path: Path) -> None:
+    """After `load_state`: every process's random number generators are the checkpoint's, or every
+    process stops with one line."""
     problem = _rng_not_restored(path, accelerator.process_index)
     failed = accelerator.gather(torch.tensor([problem is not None], device=accelerator.device)).tolist()
     if any(failed):  # every process raises: the same decision everywhere

@@ -1,7 +1,7 @@
 """The one place where names become objects: a run's model, data, loss and metrics.
 
 `--model`, `--dataset`, `--loss` and `--metrics` take a built-in name (the registries: data.DATASETS,
-models.MODELS, tasks.LOSSES, tasks.METRICS), `torchvision:<name>` / `timm:<name>` for models, or an
+models.MODELS, losses.LOSSES, metrics.METRICS), `torchvision:<name>` / `timm:<name>` for models, or an
 import path `pkg.module:attr` (a module in the current folder works too). Every process resolves the
 same strings itself, so nothing is pickled. `fit()` hands objects directly; both end in a `Workload`,
 the only thing the training loop takes.
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import tasks
+from . import losses, metrics as builtin_metrics
 from .config import ConfigError, TrainConfig, first_line
 from .data import DATASETS, Data, InMemory, RawImages, check_data, torchvision
 from .models import MODELS
@@ -183,10 +183,10 @@ def _zoo_model(spec: str, args: dict, data: Data, zoo: tuple[Callable, list[str]
 
 
 def build_loss(spec: str) -> Callable:
-    if spec in tasks.LOSSES:
-        return tasks.LOSSES[spec]
+    if spec in losses.LOSSES:
+        return losses.LOSSES[spec]
     if ":" not in spec:
-        raise ConfigError(f"unknown loss {spec!r}; choose from {', '.join(tasks.LOSSES)}, or give an import path "
+        raise ConfigError(f"unknown loss {spec!r}; choose from {', '.join(losses.LOSSES)}, or give an import path "
                           "pkg.module:function")
     return _callable(import_object(spec, "--loss"), spec, "--loss")
 
@@ -194,13 +194,13 @@ def build_loss(spec: str) -> Callable:
 def build_metrics(specs: list[str]) -> dict[str, Callable]:
     metrics = {}
     for spec in specs:
-        if spec in tasks.METRICS:
-            metrics[spec] = tasks.METRICS[spec]
+        if spec in builtin_metrics.METRICS:
+            metrics[spec] = builtin_metrics.METRICS[spec]
         elif ":" in spec:
             metrics[spec.rpartition(":")[2].rpartition(".")[2]] = _callable(import_object(spec, "--metrics"), spec,
                                                                           "--metrics")
         else:
-            raise ConfigError(f"unknown metric {spec!r}; choose from {', '.join(tasks.METRICS)}, or give an import "
+            raise ConfigError(f"unknown metric {spec!r}; choose from {', '.join(builtin_metrics.METRICS)}, or give an import "
                               "path pkg.module:function")
     return metrics
 
@@ -316,7 +316,7 @@ def check_fit(job: Workload) -> tuple[Callable, str, dict[str, Callable]]:
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             try:
-                outputs, targets = tasks.forward(model, batch)
+                outputs, targets = losses.forward(model, batch)
             except MISFITS as e:
                 raise ConfigError(f"model {job.model_name} does not take the samples of {job.dataset_name} "
                                   f"({describe(batch)}): {type(e).__name__}: {first_line(e)}") from None
@@ -326,17 +326,17 @@ def check_fit(job: Workload) -> tuple[Callable, str, dict[str, Callable]]:
     labels = isinstance(targets, torch.Tensor) and not targets.is_floating_point()
     loss, loss_name = job.loss, job.loss_name
     if loss is None:
-        if tasks.own_loss(outputs) is not None:
-            loss, loss_name = tasks.model_loss, "the model's own"
+        if losses.own_loss(outputs) is not None:
+            loss, loss_name = losses.model_loss, "the model's own"
         elif isinstance(targets, torch.Tensor):
-            loss = tasks.cross_entropy if labels else tasks.mse
+            loss = losses.cross_entropy if labels else losses.mse
             loss_name = loss.__name__
         else:
             raise ConfigError(f"no loss for {job.model_name} on {job.dataset_name}: its outputs carry no 'loss' and "
                               f"the batches have no target tensor ({describe(batch)}); give one with --loss / loss=")
     metrics = job.metrics
     if metrics is None:  # accuracy for one class label per sample
-        metrics = {"accuracy": tasks.accuracy} if labels and targets.dim() == 1 else {}
+        metrics = {"accuracy": builtin_metrics.accuracy} if labels and targets.dim() == 1 else {}
     try:
         value = loss(outputs, targets)
     except MISFITS as e:

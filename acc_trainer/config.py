@@ -72,7 +72,8 @@ class TrainConfig:
     train_size: int = _opt(8192, "training samples of the generated datasets (synthetic, linear, fake)")
     eval_size: int = _opt(2048, "evaluation samples of the generated datasets (synthetic, linear, fake)")
     image_size: int | None = _opt(
-        None, "resize images to this side length (e.g. 224 to upscale CIFAR as in the ResNet-18 experiment)"
+        None, "resize images to this side length (e.g. 224 to upscale CIFAR as in the ResNet-18 experiment); "
+              "imagefolder: resize and centre-crop to N x N (default: the images' own size, 32 when augmented)"
     )
     data_pipeline: str = _opt(
         "batched", "batched: datasets held in memory (CIFAR, the generated ones, a user's tensors) stay on the training "
@@ -82,7 +83,7 @@ class TrainConfig:
     # Augmentation (training only; each sample's is a function of --seed, the epoch and its index).
     augment: str = _opt(
         "auto", "none; standard: random crop (4 px padding) + flip, RandomResizedCrop + flip for imagefolder; "
-        "trivialaugment: standard + TrivialAugmentWide; auto: standard for cifar10/cifar100/imagefolder, else none",
+        "trivialaugment: standard + TrivialAugmentWide; auto: standard for cifar10/cifar100, else none (imagefolder and your own data opt in)",
         choices=AUGMENTS)
     mixup: float = _opt(0.0, "mix each training image with a partner sample, weight ~ Beta(A, A) (torchvision's "
                              "reference: 0.2); 0: off", metavar="A")

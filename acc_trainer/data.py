@@ -375,30 +375,58 @@ def _download_cifar(cls, root: Path, name: str, folder: Path) -> None:
 def imagefolder(config: TrainConfig) -> Data:
     """torchvision's ImageFolder on --data-dir/train and --data-dir/val, read per sample in DataLoader workers.
 
-    Evaluation (and training without --augment): resize the short side to size / 0.875, then the
-    central size x size crop (torchvision's reference recipe: 256 then 224). Augmented training:
-    RandomResizedCrop to size x size and a flip (augment.py). Then normalised to [-1, 1].
+    A user's own images are left as they are: at their own size, not augmented (`--augment auto` is
+    none here), normalised to [-1, 1]. `--image-size N` (or augmentation, at N = 32 unless given) asks
+    for a size: evaluation then resizes the short side to N / 0.875 and takes the central N x N crop
+    (torchvision's reference recipe: 256 then 224), and augmented training takes RandomResizedCrop to
+    N x N and a flip (augment.py).
     """
     tv, v2 = torchvision(), _v2()
     root = Path(config.data_dir)
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise ConfigError(f"imagefolder needs {root / split} with one sub-folder of images per class")
+    resized = config.image_size is not None or config.augment in ("standard", "trivialaugment")
     size = _image_size(config)
-    centre = v2.Compose([v2.PILToTensor(), v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
+    as_is = v2.PILToTensor()
+    centre = v2.Compose([as_is, v2.Resize(round(size / 0.875), antialias=True), v2.CenterCrop(size)])
     try:
-        train = tv.datasets.ImageFolder(str(root / "train"), transform=centre)
-        raw = tv.datasets.ImageFolder(str(root / "train"), transform=v2.PILToTensor())
-        eval_ = tv.datasets.ImageFolder(str(root / "val"), transform=centre)
+        train = tv.datasets.ImageFolder(str(root / "train"), transform=centre if resized else as_is)
+        raw = tv.datasets.ImageFolder(str(root / "train"), transform=as_is)
+        eval_ = tv.datasets.ImageFolder(str(root / "val"), transform=centre if resized else as_is)
     except (FileNotFoundError, OSError) as e:
         raise ConfigError(f"imagefolder {root}: {first_line(e)}") from None
     if train.classes != eval_.classes:
         raise ConfigError(
             f"imagefolder {root}: train/ and val/ have different classes ({train.classes} vs {eval_.classes})"
         )
+    shape = (3, size, size) if resized else (3, *_one_size(train.samples + eval_.samples, root))
     prepare = Prepare((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     return Data(PerSample(train, prepare), PerSample(eval_, prepare), "classification", len(train.classes),
-                (3, size, size), RawImages(raw, prepare, crop="resized", size=size))
+                shape, RawImages(raw, prepare, crop="resized", size=size))
+
+
+def _one_size(samples: list[tuple[str, int]], root: Path) -> tuple[int, int]:
+    """The (height, width) all the images share, read from their headers (the pixels are not decoded);
+    the first image of another size stops the run with one line. A file that cannot be opened is left
+    to the run, which names it (check-data lists them all)."""
+    from PIL import Image
+
+    first = None
+    for path, _ in samples:
+        try:
+            with Image.open(path) as image:
+                size = image.size
+        except OSError:
+            continue
+        if first is None:
+            first = (path, size)
+        elif size != first[1]:
+            (w, h), (w2, h2) = first[1], size
+            raise ConfigError(f"imagefolder {root}: the images differ in size ({first[0]} is {w}x{h}, {path} is "
+                              f"{w2}x{h2}); give --image-size N to resize and centre-crop them to N x N")
+    width, height = first[1] if first else (_image_size(TrainConfig()), _image_size(TrainConfig()))
+    return height, width
 
 
 DATASETS: dict[str, Callable[[TrainConfig], Data]] = {

@@ -1,260 +1,47 @@
-"""What a run writes to its output folder, and the small measurements the loop takes."""
+"""Built-in evaluation metrics, by name.
+
+A metric is `metric(outputs, targets)` returning one value per sample (shape `[batch]`, further
+dimensions averaged) or a scalar, the batch's mean; the evaluation averages them over the samples of
+the evaluation set, each sample counted once whatever the number of processes.
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import resource
-from contextlib import contextmanager
-from pathlib import Path
+from typing import Callable
 
 import torch
-import yaml
 
-from .config import ConfigError, TrainConfig
-
-
-_LOCKS: dict = {}  # run folder -> the open lock file this process holds
+from .losses import class_scores, values_like
 
 
-def _in_use(folder: Path, handle) -> ConfigError | None:
-    import fcntl
-
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        return ConfigError(f"--output-dir {folder} is in use by another run (process {holder}); wait for it to end, "
-                           "or choose another folder")
-    return None
+def accuracy(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """Per sample: 1 when the highest score is the target class (the mean over positions for
+    sequences, ignoring targets of -100 as torch's cross-entropy does)."""
+    return _per_sample_mean(class_scores(outputs, targets).argmax(dim=1) == targets, targets)
 
 
-def check_not_in_use(folder: Path) -> None:
-    """Refuses a folder another live run holds (main process only; the lock is let go at once)."""
-    if not (folder / ".lock").exists() or folder.resolve() in _LOCKS:
-        return
-    with open(folder / ".lock", "a+") as handle:
-        error = _in_use(folder, handle)
-    if error:
-        raise error
+def top5(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """Per sample: 1 when the target class is among the five highest scores."""
+    scores = class_scores(outputs, targets)
+    best = scores.topk(min(5, scores.shape[1]), dim=1).indices
+    return _per_sample_mean((best == targets.unsqueeze(1)).any(dim=1), targets)
 
 
-def lock_run_folder(folder: Path, resuming: bool) -> None:
-    """One run at a time per folder: an exclusive flock on <folder>/.lock, held until this process ends
-    (or starts another run on the folder). The operating system drops it when the process dies, so a
-    killed run never leaves a lock behind. Main process only."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if folder.resolve() in _LOCKS:  # an earlier run of this process on the same folder (fit() twice, say)
-        _LOCKS.pop(folder.resolve()).close()
-    handle = open(folder / ".lock", "a+")
-    error = _in_use(folder, handle)
-    if error:
-        handle.close()
-        raise error
-    # Checked again under the lock: a run that finished since this one started left its files here.
-    if not resuming and any((folder / name).exists() for name in RunFiles.OUTPUTS):
-        handle.close()
-        raise ConfigError(f"--output-dir {folder} already holds a run; choose a new folder, or add --resume auto")
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    _LOCKS[folder.resolve()] = handle
+def _per_sample_mean(hits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    hits = hits.float()
+    if targets.dim() == 1:
+        return hits
+    valid = (targets != -100).float()
+    return (hits * valid).flatten(1).sum(1) / valid.flatten(1).sum(1).clamp(min=1)
 
 
-class RunFiles:
-    """config.yaml, metrics.jsonl and summary.json of one run; written by the main process only.
-
-    A file that cannot be written (a full disk, a file size limit) stops the run with one line naming
-    it, the operating system's reason and the checkpoint to resume from; what was written before stays.
-    """
-
-    OUTPUTS = ("metrics.jsonl", "summary.json", "model.safetensors")
-
-    def __init__(self, folder: Path, enabled: bool, resumed_step: int | None = None):
-        """`resumed_step`: the run continues from a checkpoint at that step; records after it,
-        logged before the interruption, are dropped because the resumed run logs them again."""
-        self.folder, self.enabled = folder, enabled
-        self._metrics = None
-        if enabled:
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / "metrics.jsonl"
-            with self.writing(path):
-                if resumed_step is not None and path.exists():
-                    kept = [line for line in path.read_text().splitlines(keepends=True)
-                            if _complete_record_before(line, resumed_step)]
-                    _write_atomically(path, "".join(kept))
-                self._metrics = open(path, "a", buffering=1)  # line-buffered: survives a kill
-
-    def write_config(self, cfg: TrainConfig) -> None:
-        """The resolved options, in the form `--config` reads back."""
-        if self.enabled:
-            with self.writing(self.folder / "config.yaml"):
-                (self.folder / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-    def log(self, record: dict) -> None:
-        if self.enabled:
-            with self.writing(self.folder / "metrics.jsonl"):
-                self._metrics.write(json.dumps(record) + "\n")
-
-    @contextmanager
-    def writing(self, path: Path):
-        """An OSError while writing `path` (main process only) becomes one line and exit 1."""
-        from .stopping import TrainingStopped
-
-        try:
-            yield
-        except OSError as e:
-            self._close_metrics()
-            raise TrainingStopped(f"writing {path} failed: {_write_failure(e, path)}; {self._resume_from()}",
-                                  code=1, alone=True) from None
-
-    @contextmanager
-    def plots_if_stopped(self, draw: bool = True):
-        """A run stopped early (signal, NaN/inf, a full disk) still gets plots of what it did, where
-        they can be written."""
-        from .stopping import TrainingStopped
-
-        try:
-            yield
-        except TrainingStopped as stopped:
-            if self.enabled and draw:
-                from .plots import plot_run  # matplotlib: imported only when a plot is drawn
-
-                try:
-                    if self._metrics is not None and not self._metrics.closed:
-                        self._metrics.flush()
-                    plot_run(self.folder)
-                except OSError as e:  # the disk that stopped the run, most likely: the first reason stays
-                    reason = _write_failure(e, self.folder / "plots")
-                    reason = "the same reason" if reason in str(stopped) else reason
-                    raise TrainingStopped(f"{stopped}; the plots could not be written either ({reason})",
-                                          stopped.code, stopped.alone) from None
-            raise
-
-    def write_summary(self, summary: dict) -> None:
-        if self.enabled:
-            with self.writing(self.folder / "metrics.jsonl"):
-                self._metrics.close()
-            with self.writing(self.folder / "summary.json"):
-                _write_atomically(self.folder / "summary.json", json.dumps(summary, indent=2) + "\n")
-
-    def _close_metrics(self) -> None:
-        # A failed write leaves the line in the file's buffer: close() drops it (and still closes the
-        # file) instead of failing again at interpreter exit with "Exception ignored".
-        if self._metrics is not None and not self._metrics.closed:
-            try:
-                self._metrics.close()
-            except OSError:
-                pass
-
-    def _resume_from(self) -> str:
-        from .checkpoints import complete_checkpoints
-
-        found = complete_checkpoints(self.folder / "checkpoints")
-        if not found:
-            return "no complete checkpoint was written"
-        return f"the last complete checkpoint is {found[-1]} (continue with --resume auto --output-dir {self.folder})"
+def mae(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """Per sample: mean absolute error."""
+    return (values_like(outputs, targets) - targets.float()).abs().reshape(len(targets), -1).mean(1)
 
 
-def _write_failure(error: OSError, path: Path) -> str:
-    # Imported here: baselines.py imports this module, and the hand-written loops stay free of Accelerate.
-    from .checkpoints import write_failure
-
-    return write_failure(error, path)
-
-
-def _complete_record_before(line: str, step: int) -> bool:
-    try:
-        return json.loads(line)["step"] <= step
-    except (ValueError, KeyError, TypeError):  # a line cut short by a kill
-        return False
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # half written: the old file, if any, is still whole
-        raise
-
-
-def fingerprint(model: torch.nn.Module) -> torch.Tensor:
-    """Sum and sum of squares of every parameter, in float64: equal models give equal fingerprints."""
-    params = [p.detach().double() for p in model.parameters()]
-    return torch.stack([p.sum() for p in params] + [p.square().sum() for p in params])
-
-
-def library_versions() -> dict:
-    import accelerate
-
-    from . import __version__
-
-    versions = {"acc_trainer": __version__, "python": platform.python_version(), "torch": torch.__version__,
-                "accelerate": accelerate.__version__}
-    try:
-        import torchvision
-        versions["torchvision"] = torchvision.__version__
-    except Exception:  # reported as missing; the run did not need it
-        versions["torchvision"] = None
-    return versions
-
-
-def flops_per_sample(model: torch.nn.Module, batch) -> int:
-    """Training FLOPs of one sample (forward + backward) in matrix multiplies and convolutions; `batch`
-    holds one sample, as the loader collates it.
-
-    The same count torch.utils.flop_counter.FlopCounterMode gives (a test checks it on every model),
-    from one forward pass of hooks on Linear and Conv layers: FlopCounterMode's first use costs a
-    second of start-up. Per layer: forward F, weight gradient F, input gradient F unless the input
-    needs none (the first layer)."""
-    from .tasks import forward
-
-    total = 0
-
-    def count(module, inputs, output):
-        nonlocal total
-        if isinstance(module, torch.nn.Linear):
-            forward_flops = 2 * module.in_features * output.numel()
-        else:  # ConvNd: every output value sums in_channels/groups x kernel products
-            kernel = 1
-            for k in module.kernel_size:
-                kernel *= k
-            forward_flops = 2 * (module.in_channels // module.groups) * kernel * output.numel()
-        total += forward_flops * (3 if inputs[0].requires_grad else 2)
-
-    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, layers)]
-    was_training = model.training
-    try:
-        model.eval()  # BatchNorm statistics stay untouched; the FLOPs are the same
-        # Only the main process counts: the random numbers a model may draw must stay in step.
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            forward(model, batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
-    return total
-
-
-# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, for model FLOPs utilisation.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
-
-
-def device_peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def peak_memory_mb(device: torch.device | None = None) -> float:
-    """Peak memory of this process: the GPU allocator's on CUDA, else the resident set size."""
-    if device is not None and device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+METRICS: dict[str, Callable] = {
+    "accuracy": accuracy,
+    "top5": top5,
+    "mae": mae,
+}

@@ -1,6 +1,6 @@
 """Figures of runs, drawn with matplotlib (Agg, PNG) from the files a run writes.
 
-`plot_run` draws one run's curves into <run>/plots/; `plot_comparison` overlays several runs. Both
+`plot_run` draws one run's curves into <run>/plots/ (tools/figures.py overlays several runs). Both
 read metrics.jsonl, so they work the same for a finished run, a stopped one and an old one.
 """
 
@@ -47,7 +47,7 @@ def smooth(values: list[float]) -> list[float]:
     return out
 
 
-def _save(fig, path: Path, rect=(0, 0, 1, 1)) -> Path:
+def save_figure(fig, path: Path, rect=(0, 0, 1, 1)) -> Path:
     fig.tight_layout(rect=rect)
     fig.savefig(path)
     plt.close(fig)
@@ -60,7 +60,7 @@ def plot_run(run: Path) -> list[Path]:
     train, evals = read_metrics(run)
     folder = run / "plots"
     folder.mkdir(exist_ok=True)
-    title = _title(run)
+    title = run_title(run)
     written = []
     steps = [r["step"] for r in train]
     with plt.rc_context(STYLE):
@@ -74,19 +74,19 @@ def plot_run(run: Path) -> list[Path]:
                         lw=1.5, label="evaluation loss")
             ax.set(title=f"Loss: {title}", xlabel="optimizer step", ylabel="loss (mean over all processes)")
             ax.legend()
-            written.append(_save(fig, folder / "loss.png"))
+            written.append(save_figure(fig, folder / "loss.png"))
 
             fig, ax = plt.subplots(figsize=(7, 3.5))
             ax.plot(steps, [r["lr"] for r in train], color="tab:purple", lw=2)
             ax.set(title=f"Learning rate: {title}", xlabel="optimizer step", ylabel="learning rate")
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-            written.append(_save(fig, folder / "lr.png"))
+            written.append(save_figure(fig, folder / "lr.png"))
 
             fig, ax = plt.subplots(figsize=(7, 3.5))
             ax.plot(steps, [r["samples_per_s"] for r in train], color="tab:green", lw=1.5)
             ax.set(title=f"Throughput: {title}", xlabel="optimizer step", ylabel="samples / s (all processes)")
             ax.set_ylim(bottom=0)
-            written.append(_save(fig, folder / "throughput.png"))
+            written.append(save_figure(fig, folder / "throughput.png"))
 
             fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
             data_ms = [1000 * r["data_time_s"] for r in train]
@@ -100,7 +100,7 @@ def plot_run(run: Path) -> list[Path]:
             right.set(title="Share of time waiting for data", xlabel="optimizer step", ylabel="% of step time",
                       ylim=(0, 100))
             fig.suptitle(title, fontsize=10)
-            written.append(_save(fig, folder / "time_split.png", rect=(0, 0.07, 1, 1)))
+            written.append(save_figure(fig, folder / "time_split.png", rect=(0, 0.07, 1, 1)))
         if evals:  # one panel per evaluated quantity: the loss, then each metric by name
             names = [k for k in evals[0] if k.startswith("eval_") and k != "eval_samples"]
             names = ["eval_loss", *[k for k in names if k != "eval_loss"]]
@@ -114,36 +114,11 @@ def plot_run(run: Path) -> list[Path]:
                 ax.set(title=f"Evaluation {name}", xlabel="optimizer step",
                        ylabel=f"{name} (%)" if percent else name)
             fig.suptitle(f"Evaluation ({evals[-1]['eval_samples']} samples each): {title}", fontsize=10)
-            written.append(_save(fig, folder / "eval.png"))
+            written.append(save_figure(fig, folder / "eval.png"))
     return written
 
 
-def plot_comparison(runs: list[Path], labels: list[str], path: Path) -> Path:
-    """Training loss, evaluation metric and throughput of several runs, overlaid, in one PNG."""
-    data = [read_metrics(run) for run in runs]
-    has_accuracy = all(evals and "eval_accuracy" in evals[0] for _, evals in data)
-    with plt.rc_context(STYLE):
-        fig, (loss_ax, eval_ax, speed_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
-        for (train, evals), label in zip(data, labels):
-            steps = [r["step"] for r in train]
-            line, = loss_ax.plot(steps, smooth([r["loss"] for r in train]), lw=2, label=label)
-            if evals:
-                key = "eval_accuracy" if has_accuracy else "eval_loss"
-                scale = 100 if has_accuracy else 1
-                eval_ax.plot([r["step"] for r in evals], [scale * r[key] for r in evals], "o-", color=line.get_color(),
-                             label=label)
-            speed_ax.plot(steps, [r["samples_per_s"] for r in train], lw=1.5, color=line.get_color(), label=label)
-        loss_ax.set(title="Training loss (smoothed)", xlabel="optimizer step", ylabel="loss")
-        eval_ax.set(title="Evaluation " + ("accuracy" if has_accuracy else "loss"), xlabel="optimizer step",
-                    ylabel="accuracy (%)" if has_accuracy else "loss")
-        speed_ax.set(title="Throughput", xlabel="optimizer step", ylabel="samples / s")
-        speed_ax.set_ylim(bottom=0)
-        for ax in (loss_ax, eval_ax, speed_ax):
-            ax.legend(fontsize=8)
-        return _save(fig, path)
-
-
-def _title(run: Path) -> str:
+def run_title(run: Path) -> str:
     summary = run / "summary.json"
     config = run / "config.yaml"
     if summary.exists():
@@ -157,57 +132,3 @@ def _title(run: Path) -> str:
         c = yaml.safe_load(config.read_text())
         return f"{c['model']} on {c['dataset']} (stopped early)"
     return run.name
-
-
-COLOURS = {"acc_trainer": "tab:blue", "raw": "tab:gray", "raw-ddp": "tab:orange", "dp": "tab:green"}
-
-
-def plot_bench(rows: list[dict], folder: Path, title: str) -> list[Path]:
-    """The scaling experiment's figures: performance (4 panels) and where the step time goes."""
-    labels = [f"{r['implementation']}\n{r['processes']} proc." for r in rows]
-    colours = [COLOURS.get(r["implementation"], "tab:purple") for r in rows]
-    with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-        panels = [
-            (axes[0][0], [r["time_s"] for r in rows], "Total training time", "seconds", ".2f"),
-            (axes[0][1], [1000 * r["step_time_s"] for r in rows], "Average step time", "ms per step", ".1f"),
-            (axes[1][0], [r["samples_per_s"] for r in rows], "Throughput", "samples / s", ",.0f"),
-        ]
-        for ax, values, name, unit, fmt in panels:
-            bars = ax.bar(range(len(rows)), values, color=colours)
-            ax.bar_label(bars, labels=[format(v, fmt) for v in values], fontsize=8, padding=2)
-            ax.set(title=name, ylabel=unit)
-            ax.set_xticks(range(len(rows)), labels, fontsize=8)
-            ax.margins(y=0.15)
-        ax = axes[1][1]
-        most = max(r["processes"] for r in rows)
-        ax.plot([1, most], [1, most], "--", color="black", lw=1, label="ideal (linear)")
-        for kind in dict.fromkeys(r["implementation"] for r in rows):
-            points = sorted((r["processes"], r["speedup"]) for r in rows if r["implementation"] == kind and r["speedup"])
-            if kind == "raw-ddp":  # the DDP loop's 1-process point is the raw loop
-                points = [(1, 1.0)] + points
-            if points:
-                ax.plot(*zip(*points), "o-", color=COLOURS.get(kind, "tab:purple"), lw=2, label=kind)
-        ax.set(title="Speedup vs 1 process", xlabel="processes", ylabel="speedup (x)")
-        ax.set_xticks(range(1, most + 1))
-        ax.legend(fontsize=8)
-        fig.suptitle(f"Performance: {title}", fontsize=11)
-        performance = _save(fig, folder / "bench_performance.png")
-
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-        data_ms = [1000 * r["data_time_s"] for r in rows]
-        compute_ms = [1000 * r["compute_time_s"] for r in rows]
-        x = range(len(rows))
-        left.bar(x, data_ms, color="tab:red", alpha=0.8, label="waiting for data")
-        left.bar(x, compute_ms, bottom=data_ms, color="tab:blue", alpha=0.8, label="compute (forward, backward, step)")
-        left.set(title="Time per step", ylabel="ms per step")
-        left.set_xticks(x, labels, fontsize=8)
-        share = [100 * d / (d + c) if d + c else 0 for d, c in zip(data_ms, compute_ms)]
-        bars = right.bar(x, share, color="tab:red", alpha=0.8)
-        right.bar_label(bars, labels=[f"{s:.0f} %" for s in share], fontsize=8, padding=2)
-        right.set(title="Share of step time waiting for data", ylabel="% of step time", ylim=(0, 100))
-        right.set_xticks(x, labels, fontsize=8)
-        fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=2)
-        fig.suptitle(f"Time breakdown: {title}", fontsize=11)
-        breakdown = _save(fig, folder / "bench_time_breakdown.png", rect=(0, 0.07, 1, 1))
-    return [performance, breakdown]

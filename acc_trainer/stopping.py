@@ -2,8 +2,8 @@
 
 Processes of a DDP run are at most one step apart, so if one stopped on its own the others would
 wait for it forever. At every log step and epoch end, where the loop reads its losses anyway, the
-processes agree (one tiny gather) whether any of them was asked to stop. Losses stay on the device until log steps and checkpoints,
-where a NaN/inf is found (and named by its step) before anything is logged or saved.
+processes agree (one tiny gather) whether any of them was asked to stop. (Losses stay on the device until
+log steps and checkpoints, where a NaN/inf is found and named by its step: state.IntervalLosses.)
 """
 
 from __future__ import annotations
@@ -65,53 +65,6 @@ class StopSignals:
             return None
         flags = self._accelerator.gather(torch.tensor([self.received or 0], device=self._accelerator.device))
         return max(flags.tolist()) or None
-
-
-class IntervalLosses:
-    """The micro-batch losses of the current log interval, kept on the device.
-
-    One copy per micro-batch and no host sync: read at log steps and checkpoints, it gives each
-    process's mean loss, and the first step whose loss was NaN or inf (from where the interval began).
-    """
-
-    def __init__(self, log_every: int, grad_accum: int, device: torch.device):
-        self.values = torch.zeros(log_every * grad_accum, device=device)
-        self.positions = torch.arange(len(self.values), device=device)
-        self.grad_accum, self.count, self.first_step = grad_accum, 0, 1
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.values[self.count] = loss.detach()
-        self.count += 1
-
-    def restart(self, step: int) -> None:
-        """A new interval, whose first step is step + 1."""
-        self.count, self.first_step = 0, step + 1
-
-    def read(self, accelerator: Accelerator) -> tuple[list[float], int | None]:
-        """Every process's mean loss over the interval's finite losses (one gather), and the first
-        step with a NaN/inf loss on any process, or None."""
-        counted = self.positions < self.count
-        bad = counted & ~torch.isfinite(self.values)
-        finite = counted & ~bad
-        mean = torch.where(finite, self.values, 0).sum() / finite.sum().clamp(min=1)
-        first_bad = torch.where(bad.any(), bad.int().argmax(), -1)
-        rows = accelerator.gather(torch.stack([mean, first_bad.to(mean.dtype)])[None]).tolist()
-        bad = [int(b) for _, b in rows if b >= 0]
-        return [m for m, _ in rows], (self.first_step + min(bad) // self.grad_accum if bad else None)
-
-    def last_step_nonfinite(self, accelerator: Accelerator) -> bool:
-        """Whether the step just made had a NaN/inf loss on any process (a host sync: --skip-nonfinite only)."""
-        recent = self.values[self.count - self.grad_accum: self.count]
-        return bool(accelerator.reduce((~torch.isfinite(recent)).sum().float(), "sum").item() > 0)
-
-    def state(self, accelerator: Accelerator) -> dict:
-        """For a checkpoint: every process's losses so far in the interval (all processes call this)."""
-        return {"first_step": self.first_step, "count": self.count,
-                "values": accelerator.gather(self.values[None]).tolist()}
-
-    def load(self, state: dict, process_index: int) -> None:
-        self.first_step, self.count = state["first_step"], state["count"]
-        self.values.copy_(torch.tensor(state["values"][process_index]))
 
 
 def lost_contact(error: BaseException) -> bool:

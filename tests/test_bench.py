@@ -54,7 +54,7 @@ def test_flops_per_sample_is_what_pytorchs_flop_counter_counts():
     from torch.utils.flop_counter import FlopCounterMode
 
     from acc_trainer.data import Data
-    from acc_trainer.metrics import flops_per_sample
+    from acc_trainer.measure import flops_per_sample
     from acc_trainer.models import MODELS
 
     cases = [(name, (3, 32, 32)) for name in MODELS if name != "linreg"] + [("resnet18", (3, 64, 64)),

@@ -277,8 +277,10 @@ def test_best_checkpoint_and_final_weights(train_in_process):
 
     from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
-    from acc_trainer.tasks import METRICS, cross_entropy
-    from acc_trainer.loop import build_loaders, dataloader_config, evaluate
+    from acc_trainer.losses import cross_entropy
+    from acc_trainer.metrics import METRICS
+    from acc_trainer.loaders import build_loaders, dataloader_config
+    from acc_trainer.loop import evaluate
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

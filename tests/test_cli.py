@@ -9,7 +9,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from acc_trainer.cli import parse_config
+from acc_trainer.flags import parse_config
 from acc_trainer.config import ConfigError, TrainConfig
 from conftest import BIN, check, metrics, run_cli, summary
 

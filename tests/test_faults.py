@@ -24,12 +24,12 @@ def test_max_steps_wins_over_epochs(train_in_process):
 
 
 def test_bench_output_dir_is_the_bench_folder(tmp_path):
-    from acc_trainer.bench import parse
+    from acc_trainer.tools.bench import parse
     from acc_trainer.config import ConfigError
 
     args, cfg = parse(["--output-dir", str(tmp_path / "b"), "--model-args", "{width: 3}", "--metrics", "accuracy,top5"])
     assert args.bench_dir == str(tmp_path / "b") and cfg.output_dir is None
-    from acc_trainer.bench import _options
+    from acc_trainer.tools.bench import _options
 
     assert parse(_options(cfg))[1] == cfg  # the flags each measured run gets read back to the same options
     try:

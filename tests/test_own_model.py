@@ -63,7 +63,7 @@ def test_fit_trains_a_plain_module_with_its_own_loss_and_metrics(fit, project, c
     # The final weights load back into the user's model, strictly.
     Net(4).load_state_dict(load_file(out / "model.safetensors"))
 
-    from acc_trainer.report import main as report
+    from acc_trainer.tools.report import main as report
 
     report([str(out), "--output", str(project / "report.png")])
     assert f"top1_error {s['eval']['top1_error']:.4g}" in capsys.readouterr().out
@@ -197,7 +197,7 @@ def test_import_paths_from_the_users_folder_with_the_console_script(project):
     assert weights["hidden.weight"].shape == (24, 16) and weights["out.weight"].shape == (4, 24)  # num_classes: 4
     assert "acc_trainer my_model:build on my_data:load" in result.stdout
     # config.yaml holds the nested arguments and reads back as a --config file.
-    from acc_trainer.cli import parse_config
+    from acc_trainer.flags import parse_config
 
     again = parse_config(["--config", str(out / "config.yaml")])
     assert again.model_args == {"width": 24} and again.dataset_args == {"train_size": 256, "eval_size": 77}
@@ -303,7 +303,7 @@ def test_the_python_api_names_stay_callable(tmp_path):
     """`acc_trainer.train` once was the loop's module: after any first use, `acc_trainer.train(...)` raised
     "'module' object is not callable". Each exported name must be what it says, whatever was used first."""
     code = ("import acc_trainer, inspect; acc_trainer.fit; acc_trainer.check; acc_trainer.parse_config; "
-            "import acc_trainer.cli, acc_trainer.proofs; "
+            "import acc_trainer.cli, acc_trainer.tools.check; "
             "print(' '.join(n for n in acc_trainer.__all__ if not callable(getattr(acc_trainer, n))) or 'callable'); "
             "print(acc_trainer.train(acc_trainer.TrainConfig(model='mlp', max_steps=2, eval_size=16, plots=False, "
             f"output_dir={str(tmp_path / 'run')!r}))['steps'])")

@@ -107,7 +107,7 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
 
     # A checkpoint needs the engine that wrote it.
     from acc_trainer.checkpoints import read_state
-    from acc_trainer.cli import parse_config
+    from acc_trainer.flags import parse_config
     from acc_trainer.config import ConfigError
 
     cfg = parse_config([*SHARDED_JOB, "--output-dir", str(tmp_path / "ddp"), "--checkpoint-every", "10"])

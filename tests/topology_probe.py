@@ -15,6 +15,7 @@ The main process writes OUT_DIR/<name>.json for the jobs other than train.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,8 +27,11 @@ from torch.utils.data import TensorDataset
 from acc_trainer.components import build_data, build_model
 from acc_trainer.config import make_config
 from acc_trainer.data import Data
-from acc_trainer.tasks import METRICS, cross_entropy
-from acc_trainer.loop import build_loaders, check_ranks_agree, dataloader_config, evaluate, train
+from acc_trainer.losses import cross_entropy
+from acc_trainer.metrics import METRICS
+from acc_trainer.loaders import build_loaders, dataloader_config
+from acc_trainer.loop import evaluate, train
+from acc_trainer.processes import check_ranks_agree
 
 # One process group serves every job of the launch; a fresh Accelerator per job.
 PartialState.destroy_process_group = lambda self, group=None: None
@@ -144,3 +148,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # torch 2.14's gloo sometimes aborts a finished multi-process script at interpreter exit ("terminate
+    # called without an active exception", SIGABRT), after every result is written: leave without the
+    # teardown, so that the launcher reports what the jobs did, not that.
+    PartialState().wait_for_everyone()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

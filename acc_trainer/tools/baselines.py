@@ -8,8 +8,8 @@ over all GPUs of one process. `ceiling`: no loader at all, the same model and op
 a few batches already on the device, with acc_trainer's allocator setting: the compute limit. They train the same model on the same data
 (acc_trainer's own builders) for the same number of steps, and print one JSON line with their speed.
 
-    python -m acc_trainer.baselines --loop raw --model lenet --dataset fake --batch-size 128 --steps 50
-    torchrun --nproc_per_node 2 -m acc_trainer.baselines --loop raw-ddp ...
+    python -m acc_trainer.tools.baselines --loop raw --model lenet --dataset fake --batch-size 128 --steps 50
+    torchrun --nproc_per_node 2 -m acc_trainer.tools.baselines --loop raw-ddp ...
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .components import build_data, build_model
-from .config import TrainConfig
-from .data import InMemory, PerSample
-from .metrics import peak_memory_mb
-from .optim import build_optimizer
-from .speedups import keep_freed_memory
+from ..components import build_data, build_model
+from ..config import TrainConfig
+from ..data import InMemory, PerSample
+from ..measure import peak_memory_mb
+from ..optim import build_optimizer
+from ..speedups import keep_freed_memory
 
 
 def run(loop: str, cfg: TrainConfig, steps: int) -> dict:
@@ -126,7 +126,7 @@ def _to(batch, device: torch.device, channels_last: bool):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m acc_trainer.baselines")
+    parser = argparse.ArgumentParser(prog="python -m acc_trainer.tools.baselines")
     parser.add_argument("--loop", choices=("raw", "raw-ddp", "dp", "ceiling"), required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--config", required=True, help="JSON of TrainConfig options for the workload")

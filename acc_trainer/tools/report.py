@@ -13,10 +13,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .cli import Parser
-from .config import ConfigError
-from .plots import plot_comparison, read_metrics
-from .progress import best_evaluation, format_metric, make_console
+from ..flags import Parser
+from ..config import ConfigError
+from ..plots import read_metrics
+from .figures import plot_comparison
+from ..progress import best_evaluation, format_metric, make_console
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig
 
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
 
@@ -44,8 +44,8 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, config:
           steps: int = 8, output_dir: str | None = None, **options) -> list[dict]:
     """Checks a user's workload, given as to `fit`. Prints the table; returns its rows (dicts with
     check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed)."""
-    from .components import from_objects
-    from .loop import fit_config
+    from ..components import from_objects
+    from ..loop import fit_config
 
     cfg = replace(fit_config(model, train_data, config, options), output_dir=None)
     # One thread per process: this process may have run OpenMP work already (building the data, say),
@@ -57,10 +57,10 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, config:
 def _named_workload(cfg: TrainConfig):
     from accelerate.utils import set_seed
 
-    from .components import build_workload
-    from .loop import _start_processes
+    from ..components import build_workload
+    from ..processes import start as start_processes
 
-    _start_processes(cfg)
+    start_processes(cfg)
     set_seed(cfg.seed)
     return build_workload(cfg)
 
@@ -109,7 +109,7 @@ class Checker:
         # torch._dynamo alone (imported by the first optimizer) costs each job about 3 s on a small CPU.
         for module in ("torch._dynamo", "acc_trainer.loop"):
             importlib.import_module(module)
-        from .progress import make_console
+        from ..progress import make_console
 
         console = make_console()
         half = self.steps // 2
@@ -158,7 +158,7 @@ def _worker(rank: int, build, cfg: TrainConfig, world: int, port: int, nudge: bo
     torch.set_num_threads(threads)
     AcceleratorState._reset_state(reset_partial_state=True)  # the parent's, copied by fork
     GradientState._reset_state()
-    from .loop import run
+    from ..loop import run
 
     record = {"samples": [], "draws": False}
     try:
@@ -228,6 +228,15 @@ def max_difference(a: dict, b: dict) -> float:
 
 
 def rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, cfg, half, world) -> list[dict]:
+    """The table's rows: topology and accumulation against the 1-process run, the samples, the
+    evaluation counts, the resume, determinism and BatchNorm."""
+    return [*_equivalence_rows(base, nudged, accum, two, has_bn, cfg, world), _samples_row(base, two, world),
+            _evaluation_row(base, two, world), _resume_row(base, resumed, half), _determinism_row(base, again),
+            *_batchnorm_rows(base, two, synced, has_bn, cfg, world)]
+
+
+def _equivalence_rows(base, nudged, accum, two, has_bn, cfg, world) -> list[dict]:
+    """N processes and --grad-accum 2 against 1 process, within what a 1-ulp nudge of the start moves."""
     rows = []
     chaos = max_difference(base["weights"], nudged["weights"]) if not nudged["error"] else math.inf
     tolerance = max(1e-5, 10 * chaos)
@@ -255,72 +264,73 @@ def rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, cfg, half
             "or turn dropout off to check")
     compare("--grad-accum 2 vs 1 process", accum, bn_cause if has_bn else (random_cause if draws else data_cause),
             "larger micro-batches, or a model without BatchNorm" if has_bn else "as above")
+    return rows
 
-    # Samples and initial weights.
+
+def _samples_row(base, two, world) -> dict:
+    name = "same start, same samples at every step"
     if two["error"]:
-        rows.append(row("same start, same samples at every step", FAIL, two["error"],
-                        "the processes do not build the same data or model", "build them from the seed only"))
-    else:
-        different = [i for i, (a, b) in enumerate(zip(base["samples"], two["samples"])) if a != b]
-        notes = two["summary"].get("notes") or []
-        if different:
-            rows.append(row("same start, same samples at every step", FAIL,
-                            f"{len(different)} of {len(base['samples'])} steps saw other samples on {world} processes "
-                            f"than on 1 (first: step {different[0] + 1})",
-                            "the data depends on the process: a random transform drawing from each process's "
-                            "generator, or a dataset that reads other files per process",
-                            "make each sample a function of (seed, index) only"))
-        else:
-            rows.append(row("same start, same samples at every step", PASS,
-                            f"{len(base['samples'])} steps, identical samples" +
-                            ("; initial weights differed, process 0's were used" if notes else ""), ""))
+        return row(name, FAIL, two["error"], "the processes do not build the same data or model",
+                   "build them from the seed only")
+    different = [i for i, (a, b) in enumerate(zip(base["samples"], two["samples"])) if a != b]
+    if different:
+        return row(name, FAIL, f"{len(different)} of {len(base['samples'])} steps saw other samples on {world} "
+                               f"processes than on 1 (first: step {different[0] + 1})",
+                   "the data depends on the process: a random transform drawing from each process's generator, or a "
+                   "dataset that reads other files per process", "make each sample a function of (seed, index) only")
+    notes = two["summary"].get("notes") or []
+    return row(name, PASS, f"{len(base['samples'])} steps, identical samples" +
+               ("; initial weights differed, process 0's were used" if notes else ""), "")
 
-    # Evaluation counts.
+
+def _evaluation_row(base, two, world) -> dict:
+    name = "evaluation counts every sample once"
     expected = base["summary"]["eval_samples"] if base["summary"]["eval"] else None
     if expected is None:
-        rows.append(row("evaluation counts every sample once", SKIPPED, "no evaluation set", ""))
-    elif two["error"]:
-        rows.append(row("evaluation counts every sample once", FAIL, two["error"], "", ""))
-    else:
-        counts = (base["summary"]["eval_samples"], two["summary"]["eval_samples"])
-        ok = counts[0] == counts[1] == expected
-        rows.append(row("evaluation counts every sample once", PASS if ok else FAIL,
-                        f"{counts[0]} samples on 1 process, {counts[1]} on {world}", "" if ok else "padding counted"))
+        return row(name, SKIPPED, "no evaluation set", "")
+    if two["error"]:
+        return row(name, FAIL, two["error"], "", "")
+    counts = (base["summary"]["eval_samples"], two["summary"]["eval_samples"])
+    ok = counts[0] == counts[1] == expected
+    return row(name, PASS if ok else FAIL, f"{counts[0]} samples on 1 process, {counts[1]} on {world}",
+               "" if ok else "padding counted")
 
-    # Resume.
+
+def _resume_row(base, resumed, half) -> dict:
+    name = f"stopped at step {half} and resumed"
     if resumed["error"]:
-        rows.append(row(f"stopped at step {half} and resumed", FAIL, resumed["error"], "", ""))
-    else:
-        d = max_difference(base["weights"], resumed["weights"])
-        rows.append(row(f"stopped at step {half} and resumed", PASS if d == 0 else FAIL,
-                        "bit-identical" if d == 0 else f"max parameter difference {d:.1e}",
-                        "" if d == 0 else "random numbers drawn where a checkpoint cannot restore them: in a "
-                        "dataset's __getitem__ (the loader reads a batch ahead of the step a checkpoint records), "
-                        "from a generator of the dataset's own, or from NumPy/Python state seeded at import",
-                        "" if d == 0 else "draw from torch's generator, or from one seeded per sample"))
+        return row(name, FAIL, resumed["error"], "", "")
+    d = max_difference(base["weights"], resumed["weights"])
+    if d == 0:
+        return row(name, PASS, "bit-identical", "")
+    return row(name, FAIL, f"max parameter difference {d:.1e}",
+               "random numbers drawn where a checkpoint cannot restore them: in a dataset's __getitem__ (the loader "
+               "reads a batch ahead of the step a checkpoint records), from a generator of the dataset's own, or from "
+               "NumPy/Python state seeded at import", "draw from torch's generator, or from one seeded per sample")
 
-    # Determinism.
+
+def _determinism_row(base, again) -> dict:
     d = max_difference(base["weights"], again["weights"])
     if d == 0:
-        rows.append(row("the same run twice", PASS, "bit-identical", ""))
-    else:
-        layer = max(base["weights"], key=lambda k: (base["weights"][k].double() - again["weights"][k].double())
-                    .abs().max().item())
-        rows.append(row("the same run twice", FAIL, f"max parameter difference {d:.1e}, largest in {layer}",
-                        "a non-deterministic operation (atomic adds on GPUs, an unseeded random source)",
-                        "torch.use_deterministic_algorithms(True) names the operation"))
+        return row("the same run twice", PASS, "bit-identical", "")
+    layer = max(base["weights"], key=lambda k: (base["weights"][k].double() - again["weights"][k].double())
+                .abs().max().item())
+    return row("the same run twice", FAIL, f"max parameter difference {d:.1e}, largest in {layer}",
+               "a non-deterministic operation (atomic adds on GPUs, an unseeded random source)",
+               "torch.use_deterministic_algorithms(True) names the operation")
 
-    # BatchNorm.
+
+def _batchnorm_rows(base, two, synced, has_bn, cfg, world) -> list[dict]:
+    name = "BatchNorm across processes"
     if not has_bn:
-        rows.append(row("BatchNorm across processes", SKIPPED, "the model has no BatchNorm", ""))
-    elif cfg.sync_bn:
-        rows.append(row("BatchNorm across processes", PASS, "--sync-bn: statistics over all processes", ""))
-    elif not two["error"] and synced and not synced["error"]:
+        return [row(name, SKIPPED, "the model has no BatchNorm", "")]
+    if cfg.sync_bn:
+        return [row(name, PASS, "--sync-bn: statistics over all processes", "")]
+    if not two["error"] and synced and not synced["error"]:
         d, ds = max_difference(base["weights"], two["weights"]), max_difference(base["weights"], synced["weights"])
-        rows.append(row("BatchNorm across processes", FAIL,
-                        f"{world} processes vs 1: {d:.1e} without --sync-bn, {ds:.1e} with it",
-                        "each process normalises with its own share of the batch", "add --sync-bn"))
-    return rows
+        return [row(name, FAIL, f"{world} processes vs 1: {d:.1e} without --sync-bn, {ds:.1e} with it",
+                    "each process normalises with its own share of the batch", "add --sync-bn")]
+    return []
 
 
 def row(check_name: str, result: str, measured: str, cause: str, fix: str = "") -> dict:
@@ -344,7 +354,7 @@ def main(argv: list[str]) -> None:
     """`acc-trainer check [--steps N] [training options]`: exit 1 when a check fails."""
     import sys
 
-    from .cli import parse_config
+    from ..flags import parse_config
 
     steps = 8
     if "--steps" in argv:

@@ -1,0 +1,96 @@
+"""The data loaders of a run: global micro-batches for training, exact per-process batches for evaluation.
+
+`--batch-size` is the global batch of one optimizer step: the training loader yields micro-batches of
+batch_size / grad_accum samples and Accelerate (`split_batches=True`) gives each process its slice.
+Tensors in memory are served a whole batch at a time (`--data-pipeline batched`), from the training
+device when they fit; other datasets one sample at a time through the DataLoader's workers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate import DataLoaderConfiguration
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+from . import augment as augmentation
+from .config import TrainConfig
+from .data import DATASETS, Data, Guarded, IndexBatches, InMemory, PerSample, augmented, reads_files, steps_per_epoch
+
+
+def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
+    """Each process takes its slice of every loader batch (so loader batches are global), and the
+    shuffle is reseeded from --seed every epoch, identically on every process and in every run."""
+    return DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=cfg.seed,
+                                   non_blocking=True)  # copies from pinned memory overlap the GPU's work
+
+
+def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device,
+                  augment: augmentation.Augment | None = None) -> tuple[DataLoader, DataLoader | None]:
+    """The training loader yields global micro-batches; the evaluation loader `--eval-batch-size` per process
+    (None without an evaluation set)."""
+    per_epoch = steps_per_epoch(data, cfg)
+    # Exactly `per_epoch` whole global batches per epoch (the first per_epoch x batch_size indices of
+    # each epoch's permutation): no partial step and no partial accumulation on any topology.
+    # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
+    sampler = RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size)
+    micro_batch = cfg.batch_size // cfg.grad_accum
+    train_set = _placed(augmented(data.raw, augment) if augment else data.train, cfg, device)
+    eval_set = _placed(data.eval, cfg, device) if data.eval is not None else None
+    workers = cfg.num_workers
+    if workers is None:  # workers for the built-in datasets read per sample; a user's may not survive spawn
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        per_sample = not (isinstance(train_set, InMemory) and cfg.data_pipeline == "batched")
+        workers = min(8, max(1, (os.cpu_count() or 1) // local - 1)) if per_sample and cfg.dataset in DATASETS else 0
+
+    def loading(dataset) -> dict:
+        if isinstance(dataset, InMemory) and dataset.tensors[0].device.type != "cpu":  # gathered right here
+            return {"num_workers": 0, "pin_memory": False}
+        return {"num_workers": workers, "pin_memory": device.type == "cuda", "persistent_workers": workers > 0}
+
+    if isinstance(train_set, InMemory) and cfg.data_pipeline == "batched":  # whole batches at once
+        batching = {"batch_sampler": IndexBatches(sampler, micro_batch), "collate_fn": InMemory.collate}
+    else:
+        batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True}
+        if reads_files(train_set):
+            train_set, batching["collate_fn"] = Guarded(train_set), Guarded.collate
+    # Each loader draws its workers' base seed from a generator of its own at every iteration, not from
+    # the global RNG: a resumed run starts a new iteration mid-epoch, which would shift every random
+    # number the model draws after it (dropout) against the uninterrupted run.
+    train_loader = DataLoader(train_set, generator=torch.Generator().manual_seed(cfg.seed), **loading(train_set),
+                              **batching)
+    if eval_set is None:
+        return train_loader, None
+    per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
+    guarded = reads_files(eval_set)
+    eval_loader = DataLoader(Guarded(eval_set) if guarded else eval_set, batch_size=per_process * world,
+                             shuffle=False, generator=torch.Generator().manual_seed(cfg.seed), **loading(eval_set),
+                             collate_fn=Guarded.collate if guarded else InMemory.collate if isinstance(eval_set, InMemory)
+                             else None)
+    return train_loader, eval_loader
+
+
+def on_device(loader: DataLoader | None, device: torch.device) -> bool:
+    """Whether the loader's batches are gathered on `device` itself."""
+    if loader is None or not isinstance(loader.dataset, InMemory):
+        return False
+    where = loader.dataset.tensors[0].device
+    return where.type == device.type and device.index in (None, where.index)
+
+
+def _placed(dataset, cfg: TrainConfig, device: torch.device):
+    """Tensors in memory are served a batch at a time (`--data-pipeline batched`), from the training
+    device when they take at most half of its free memory; or one sample at a time (`per-sample`)."""
+    if type(dataset) not in (TensorDataset, InMemory):  # a subclass may have a __getitem__ of its own
+        return dataset
+    if cfg.data_pipeline == "per-sample":  # one sample per __getitem__, collated by the DataLoader
+        plain = TensorDataset(*dataset.tensors)
+        if isinstance(dataset, InMemory) and (dataset.prepare or dataset.augment):
+            return PerSample(plain, dataset.prepare, dataset.augment)
+        return plain
+    if not isinstance(dataset, InMemory):
+        dataset = InMemory(*dataset.tensors)
+    if device.type == "cuda" and dataset.nbytes() <= torch.cuda.mem_get_info(device)[0] // 2:
+        dataset = dataset.on(device)
+    return dataset
