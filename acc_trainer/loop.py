@@ -199,7 +199,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
         model, optimizer, train_loader, eval_loader, scheduler, device_placement=placement
     )
     ema, averaged = _ema(cfg, accelerator, model)
-    state = RunState(IntervalLosses(cfg.log_every, cfg.grad_accum, accelerator.device))
+    state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device))
     if resumed:
         with checkpoints.reading(resume):
             accelerator.load_state(str(resume))

@@ -8,6 +8,7 @@ losses of the current log interval. The position in the data is the step: every 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,48 +19,55 @@ from accelerate import Accelerator
 class IntervalLosses:
     """The micro-batch losses of the current log interval, kept on the device.
 
-    One copy per micro-batch and no host sync: read at log steps and checkpoints, it gives each
-    process's mean loss, and the first step whose loss was NaN or inf (from where the interval began).
+    No host sync per step (each loss is only detached and kept): read at log steps and checkpoints,
+    with one copy to the host, it gives each process's mean loss over the interval, and the first step
+    whose loss was NaN or inf (from where the interval began).
     """
 
-    def __init__(self, log_every: int, grad_accum: int, device: torch.device):
-        self.values = torch.zeros(log_every * grad_accum, device=device)
-        self.positions = torch.arange(len(self.values), device=device)
-        self.grad_accum, self.count, self.first_step = grad_accum, 0, 1
+    def __init__(self, grad_accum: int, device: torch.device):
+        self.grad_accum, self.device, self.first_step = grad_accum, device, 1
+        self.values: list[torch.Tensor] = []
 
     def add(self, loss: torch.Tensor) -> None:
-        self.values[self.count] = loss.detach()
-        self.count += 1
+        self.values.append(loss.detach())
 
     def restart(self, step: int) -> None:
         """A new interval, whose first step is step + 1."""
-        self.count, self.first_step = 0, step + 1
+        self.values, self.first_step = [], step + 1
+
+    def _local(self) -> list[float]:
+        return torch.stack(self.values).float().tolist() if self.values else []
 
     def read(self, accelerator: Accelerator) -> tuple[list[float], int | None]:
-        """Every process's mean loss over the interval's finite losses (one gather), and the first
-        step with a NaN/inf loss on any process, or None."""
-        counted = self.positions < self.count
-        bad = counted & ~torch.isfinite(self.values)
-        finite = counted & ~bad
-        mean = torch.where(finite, self.values, 0).sum() / finite.sum().clamp(min=1)
-        first_bad = torch.where(bad.any(), bad.int().argmax(), -1)
-        rows = accelerator.gather(torch.stack([mean, first_bad.to(mean.dtype)])[None]).tolist()
+        """Every process's mean loss over the interval's finite losses, and the first step with a NaN/inf
+        loss on any process, or None (one gather of two numbers per process; none on one process)."""
+        local = self._local()
+        finite = [v for v in local if math.isfinite(v)]
+        first_bad = next((i for i, v in enumerate(local) if not math.isfinite(v)), -1)
+        row = [sum(finite) / max(len(finite), 1), first_bad]
+        rows = [row] if accelerator.num_processes == 1 else accelerator.gather(
+            torch.tensor([row], dtype=torch.float64, device=self.device)).tolist()
         bad = [int(b) for _, b in rows if b >= 0]
         return [m for m, _ in rows], (self.first_step + min(bad) // self.grad_accum if bad else None)
 
     def last_step_nonfinite(self, accelerator: Accelerator) -> bool:
         """Whether the step just made had a NaN/inf loss on any process (a host sync: --skip-nonfinite only)."""
-        recent = self.values[self.count - self.grad_accum: self.count]
+        recent = torch.stack(self.values[-self.grad_accum:])
         return bool(accelerator.reduce((~torch.isfinite(recent)).sum().float(), "sum").item() > 0)
 
     def state(self, accelerator: Accelerator) -> dict:
-        """For a checkpoint: every process's losses so far in the interval (all processes call this)."""
-        return {"first_step": self.first_step, "count": self.count,
-                "values": accelerator.gather(self.values[None]).tolist()}
+        """For a checkpoint: every process's losses so far in the interval (all processes call this; every
+        process has made as many micro-batches)."""
+        if not self.values:
+            return {"first_step": self.first_step, "count": 0, "values": [[]] * accelerator.num_processes}
+        local = torch.tensor(self._local(), dtype=torch.float32, device=self.device)
+        return {"first_step": self.first_step, "count": len(self.values),
+                "values": accelerator.gather(local[None]).tolist()}
 
     def load(self, state: dict, process_index: int) -> None:
-        self.first_step, self.count = state["first_step"], state["count"]
-        self.values.copy_(torch.tensor(state["values"][process_index]))
+        self.first_step = state["first_step"]
+        mine = state["values"][process_index][: state["count"]]
+        self.values = [torch.tensor(v, dtype=torch.float32, device=self.device) for v in mine]
 
 
 @dataclass
