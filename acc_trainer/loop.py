@@ -183,8 +183,8 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     checkpoint when resuming), and only then the run folder: a failed start leaves nothing behind."""
     started = time.perf_counter()
     accelerator, engine, out, resume, resumed = _accelerator(cfg, job)
-    shapes = checkpoints.parameter_shapes(job.model)  # as the user built it: what a checkpoint must match
-    model, loss_fn, loss_name, metrics, augment, flops, notes = _pieces(cfg, job, accelerator, engine, resume, resumed)
+    model, loss_fn, loss_name, metrics, augment, flops, notes, shapes = _pieces(cfg, job, accelerator, engine, resume,
+                                                                                resumed)
     optimizer, scheduler, per_epoch, total_steps = _optimizer(cfg, model, job)
     world = accelerator.num_processes
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment)
@@ -214,11 +214,14 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     if cfg.log_with:
         accelerator.init_trackers("acc_trainer", config=_tracker_config(cfg))
     epochs = math.ceil(total_steps / per_epoch)
-    r = Run(cfg, job, accelerator, engine, model, optimizer, scheduler, train_loader, eval_loader, loss_fn, loss_name,
-            metrics, augment, ema, averaged, input_dtype, total_steps, per_epoch, epochs, cfg.checkpoint_steps, flops,
-            shapes, notes, out, resume, state.step, files, saver,
-            Progress(cfg.progress, accelerator.is_main_process, total_steps, epochs, per_epoch), state,
-            Clock(logged_step=state.step), started)
+    r = Run(cfg=cfg, job=job, accelerator=accelerator, engine=engine, model=model, optimizer=optimizer,
+            scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader, loss_fn=loss_fn,
+            loss_name=loss_name, metrics=metrics, augment=augment, ema=ema, averaged=averaged, input_dtype=input_dtype,
+            total_steps=total_steps, per_epoch=per_epoch, epochs=epochs, checkpoint_steps=cfg.checkpoint_steps,
+            flops=flops, parameters=shapes, notes=notes, out=out, resume=resume, start_step=state.step, files=files,
+            checkpoints=saver, progress=Progress(cfg.progress, accelerator.is_main_process, total_steps, epochs,
+                                                 per_epoch),
+            state=state, clock=Clock(logged_step=state.step), started=started)
     _announce(r)
     return r
 
@@ -265,6 +268,7 @@ def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: s
     loss_fn = _cross_entropy_options(cfg, loss_fn, loss_name, augment)
     if cfg.ema and engine != "DDP":
         raise ConfigError(f"--ema needs the whole model on every process; with {engine} each holds a shard")
+    shapes = checkpoints.parameter_shapes(model)  # as the user built it: what a checkpoint must match
     # Counted on the main process only, so before BatchNorm layers become collective (--sync-bn).
     flops = flops_per_sample(model, first_samples(data.train, 1)) if accelerator.is_main_process else 0
     # Compared (and made equal, with a note) before `prepare`, whose DDP wrapper would silently copy
@@ -274,7 +278,7 @@ def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: s
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return model, loss_fn, loss_name, metrics, augment, flops, notes
+    return model, loss_fn, loss_name, metrics, augment, flops, notes, shapes
 
 
 def _optimizer(cfg: TrainConfig, model, job: Workload) -> tuple:

@@ -8,8 +8,10 @@ over all GPUs of one process. `ceiling`: no loader at all, the same model and op
 a few batches already on the device, with acc_trainer's allocator setting: the compute limit. They train the same model on the same data
 (acc_trainer's own builders) for the same number of steps, and print one JSON line with their speed.
 
-    python -m acc_trainer.tools.baselines --loop raw --model lenet --dataset fake --batch-size 128 --steps 50
-    torchrun --nproc_per_node 2 -m acc_trainer.tools.baselines --loop raw-ddp ...
+    python -m acc_trainer.tools.baselines --loop raw --steps 50 --config '{"model": "lenet", "dataset": "fake"}'
+    torchrun --nproc_per_node 2 -m acc_trainer.tools.baselines --loop raw-ddp --steps 50 --config '...'
+
+(the workload as TrainConfig options in JSON; prints one `BASELINE {...}` line with its speed).
 """
 
 from __future__ import annotations
