@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -10,6 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# Two test files run at a time on two cores (pytest-xdist): each worker's own torch work runs on one
+# thread, as the suite's subprocesses do (OMP_NUM_THREADS=1 in _env). Two OpenMP threads per worker
+# wait for each other's descheduled thread, and a small run in a worker took 5-10x longer. Set before
+# any test module imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -53,6 +61,58 @@ def summary(run_dir: Path) -> dict:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def reset_accelerate() -> None:
+    """Accelerate's process-wide singletons back to nothing, as in a new process."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread meanwhile, as the suite's subprocesses run (OMP_NUM_THREADS=1): a run in this
+    process then computes bit for bit what the same run in a subprocess computes."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def torch_on_one_thread():
+    """The test's own torch work on one thread (see one_thread): with two test workers on a 2-core machine,
+    two threads each leave OpenMP waiting for a descheduled thread, and a small run takes 5-10x longer."""
+    with one_thread():
+        yield
+
+
+def run_here(*args, cwd=None) -> subprocess.CompletedProcess:
+    """`acc-trainer ARGS` through acc_trainer.cli.main in this process (on one thread, in CWD, Accelerate's
+    state fresh before and after), for module-scoped fixtures: returns what run_cli returns, the exit code
+    and what was printed on stdout and stderr."""
+    from acc_trainer.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    reset_accelerate()
+    try:
+        os.chdir(cwd or here)
+        with one_thread(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([str(a) for a in args])
+                code = 0
+            except SystemExit as e:
+                code = 0 if e.code is None else e.code
+    finally:
+        os.chdir(here)
+        reset_accelerate()
+    return subprocess.CompletedProcess(["acc-trainer", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

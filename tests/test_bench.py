@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import json
 
-from conftest import check, run_cli
+import pytest
+
+from conftest import run_cli
 from test_reports import assert_png
 
 
-def test_bench_runs_every_variant_and_writes_its_files(tmp_path):
+# The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
+
+
+def test_bench_runs_every_variant_and_writes_its_files(tmp_path, main_in_process, monkeypatch):
+    """`acc-trainer bench` in this process (it launches every variant in processes of its own, with the
+    environment the suite gives its subprocesses)."""
     out = tmp_path / "bench"
-    result = check(run_cli("bench", "--model", "mlp", "--dataset", "fake", "--batch-size", "32", "--train-size", "256",
-                           "--processes", "1,2", "--steps", "6", "--repeats", "1", "--pipelines", "batched,per-sample",
-                           "--bench-dir", out, cwd=tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code, stdout, stderr = main_in_process("bench", "--model", "mlp", "--dataset", "fake", "--batch-size", "32",
+                                           "--train-size", "256", "--processes", "1,2", "--steps", "6", "--repeats",
+                                           "1", "--pipelines", "batched,per-sample", "--bench-dir", out)
+    assert code == 0, stdout[-3000:] + stderr[-5000:]
     report = json.loads((out / "bench.json").read_text())
     rows = {(r["implementation"], r["processes"]): r for r in report["rows"]}
     assert set(rows) == {("acc_trainer", 1), ("acc_trainer per-sample", 1), ("raw", 1), ("ceiling", 1),
@@ -33,7 +43,7 @@ def test_bench_runs_every_variant_and_writes_its_files(tmp_path):
     table = (out / "bench.md").read_text()
     assert table.count("\n| acc_trainer |") == 2 and "| raw-ddp | 2 |" in table and "| ceiling | 1 |" in table
     assert "| data pipeline (loader alone, 1 process) |" in table and "\n| per-sample |" in table
-    assert "dp (nn.DataParallel) needs 2+ GPUs" in result.stdout
+    assert "dp (nn.DataParallel) needs 2+ GPUs" in stdout
     for figure in ("bench_performance.png", "bench_time_breakdown.png"):
         assert_png(out / figure)
 

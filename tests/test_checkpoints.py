@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from acc_trainer.checkpoints import complete_checkpoints
 from acc_trainer.config import ConfigError
-from conftest import BIN, REPO, _env, check, free_port, launch, metrics, run_cli, summary
+from conftest import BIN, REPO, _env, check, free_port, launch, metrics, run_cli, run_here, summary
 
 INTERRUPT = REPO / "tests" / "interrupt.py"
 # 16 steps per epoch, 3 epochs; accumulation (2 micro-batches a step), a cosine schedule with warmup and a
@@ -37,8 +37,12 @@ def interrupted(options, *args, world=1, job=JOB):
 
 
 def resumed(out, world=1):
+    """The interrupted run continued to its end: on one process in this process (the same flags through the
+    same acc_trainer.cli.main, on one thread as the subprocesses; nothing here is about the process
+    boundary, and a run continued here must match the reference bit for bit all the same), on two with
+    `accelerate launch`."""
     args = [*JOB, "--output-dir", out, "--resume", "auto"]
-    return check(run_cli(*args) if world == 1 else launch(*args, launcher_args=TWO))
+    return check(run_here(*args) if world == 1 else launch(*args, launcher_args=TWO))
 
 
 def same_run(reference, run):
@@ -53,11 +57,20 @@ def same_run(reference, run):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted runs, on 1 and 2 processes."""
-    folder = tmp_path_factory.mktemp("reference")
-    check(run_cli(*JOB, "--output-dir", folder / "1"))
-    check(launch(*JOB, "--output-dir", folder / "2", launcher_args=TWO))
-    return folder
+    """The uninterrupted runs, on 1 and 2 processes: reference(world) is the folder of the run on WORLD
+    processes, made the first time a test asks for it. The one on one process runs in this process (as
+    `resumed` does), the one on two with `accelerate launch`."""
+    folder, made = tmp_path_factory.mktemp("reference"), {}
+
+    def run(world):
+        if world not in made:
+            out = folder / str(world)
+            check(run_here(*JOB, "--output-dir", out) if world == 1 else launch(*JOB, "--output-dir", out,
+                                                                                launcher_args=TWO))
+            made[world] = out
+        return made[world]
+
+    return run
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -79,7 +92,7 @@ def test_interrupted_twice_and_resumed_is_the_same_run(tmp_path, reference, worl
         f"step-{s:08d}" for s in sorted({7, stop, 14, 21, 28, second_stop} - ({28} if world == 1 else set()))]
     result = resumed(out, world)
     assert f"resuming at step {second_stop}" in result.stdout
-    same_run(reference / str(world), out)
+    same_run(reference(world), out)
     assert summary(out)["resumed_from"] == str(out / "checkpoints" / f"step-{second_stop:08d}")
 
 
@@ -89,7 +102,7 @@ def test_kill_9_loses_only_the_steps_since_the_last_checkpoint(tmp_path, referen
     assert killed.returncode == -signal.SIGKILL
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000007", "step-00000014"]
     assert "resuming at step 14" in resumed(out).stdout
-    same_run(reference / "1", out)
+    same_run(reference(1), out)
 
 
 def test_a_checkpoint_killed_while_written_never_looks_usable(tmp_path, reference):
@@ -100,7 +113,7 @@ def test_a_checkpoint_killed_while_written_never_looks_usable(tmp_path, referenc
     assert folders == [".tmp-step-00000014", "step-00000007"]
     assert (out / "checkpoints" / ".tmp-step-00000014" / "model.safetensors").exists()  # written, not complete
     assert "resuming at step 7" in resumed(out).stdout
-    same_run(reference / "1", out)
+    same_run(reference(1), out)
     assert not (out / "checkpoints" / ".tmp-step-00000014").exists()  # cleared by the next save
 
 
@@ -162,9 +175,9 @@ def test_skip_nonfinite_steps_are_skipped_and_counted(train_in_process, monkeypa
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """A finished 1-process run with checkpoints at steps 2 and 4."""
+    """A finished 1-process run with checkpoints at steps 2 and 4 (made in this process)."""
     out = tmp_path_factory.mktemp("saved") / "run"
-    check(run_cli("--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--epochs", "1",
+    check(run_here("--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--epochs", "1",
                   "--checkpoint-every", "2", "--output-dir", out))
     return out
 

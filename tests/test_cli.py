@@ -6,54 +6,31 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-import yaml
-from safetensors.torch import load_file
 
 from acc_trainer.flags import parse_config
 from acc_trainer.config import ConfigError, TrainConfig
-from conftest import BIN, check, metrics, run_cli, summary
+from conftest import BIN, check, run_cli
 
 
-def test_default_job_learns_and_leaves_its_files(tmp_path):
-    out = check(run_cli(cwd=tmp_path)).stdout
-    (run_dir,) = (tmp_path / "runs").iterdir()  # default output dir: a new folder under runs/
-    s = summary(run_dir)
-    assert s["eval"]["accuracy"] > 0.8  # 10 classes: chance is 0.1
-    assert f"accuracy {s['eval']['accuracy']:.2%}" in out
-    assert s["eval_samples"] == TrainConfig().eval_size
-    assert s["world_size"] == 1 and s["distributed_type"] == "NO" and s["mixed_precision"] == "no"
-    assert s["ranks_agree"] is True
-    assert {"torch", "accelerate", "torchvision", "python"} <= set(s["versions"])
-    assert s["wall_time_s"] > 0 and s["samples_per_s"] > 0
-
-    records = metrics(run_dir)
-    train_records = [r for r in records if "loss" in r]
-    eval_records = [r for r in records if "eval_accuracy" in r]
-    assert {"step", "epoch", "loss", "lr", "samples_per_s"} <= set(train_records[0])
-    assert [r["epoch"] for r in eval_records] == [1, 2, 3]
-    assert train_records[-1]["loss"] < train_records[0]["loss"] / 2
-
-    # The resolved configuration reads back as a config file and reproduces the defaults.
-    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert parse_config(["--config", str(run_dir / "config.yaml")]).to_dict() == resolved
-
-    # Final weights: saved once, and they load into a freshly built model of the same name.
-    from acc_trainer.components import build_data, build_model
-
-    model = build_model(TrainConfig(), build_data(TrainConfig()))
-    weights = load_file(run_dir / "model.safetensors")
-    assert set(weights) == set(model.state_dict())
-    model.load_state_dict(weights)
+# The default job (`python -m acc_trainer`, as the README's quick start types it) runs once, in
+# test_readme.py::test_readme_command_runs, which makes every check of it: the run learns (accuracy, its line
+# on stdout), its summary, metrics.jsonl, config.yaml read back by --config, and the final weights.
 
 
-def test_console_script_is_the_same_command():
-    via_module = check(run_cli("--help")).stdout
+@pytest.fixture(scope="module")
+def help_text() -> str:
+    """`python -m acc_trainer --help`, once for the tests that read it."""
+    return check(run_cli("--help")).stdout
+
+
+def test_console_script_is_the_same_command(help_text):
+    via_module = help_text
     via_script = check(run_cli("--help", command=[str(BIN / "acc-trainer")])).stdout
     assert via_script == via_module
 
 
-def test_help_documents_every_option():
-    text = check(run_cli("--help")).stdout
+def test_help_documents_every_option(help_text):
+    text = help_text
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, f"{flag} missing from --help"

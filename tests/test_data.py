@@ -17,6 +17,10 @@ from acc_trainer.components import build_data
 from conftest import check
 
 
+# The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
+
+
 def write_cifar(root: Path, name: str, train_per_file: int, test: int, classes: int) -> dict:
     """Files laid out and pickled as the python version of CIFAR-10/100 ships them."""
     rng = np.random.default_rng(0)
@@ -123,9 +127,10 @@ def write_digits_imagefolder(root: Path) -> int:
 
 
 def test_a_users_image_folder_is_left_as_it_is(tmp_path, train_in_process):
-    """The digits at their own 32x32, no flag but the model and 10 epochs: no random resized crops of a user's images,
-    no centre crop at evaluation. (With the ImageNet crops that `--augment auto` used to apply here, the
-    same run ended at 92.8-94.2 %.)"""
+    """The digits at their own 32x32, no flag but the model and 8 epochs: no random resized crops of a user's images,
+    no centre crop at evaluation. (It ends at 97.8 %, at 96.7 % or more from epoch 6 on. With the ImageNet crops
+    that `--augment auto` used to apply here, the same run ended at 92.8-94.2 % after 10 epochs; with
+    `--augment standard --image-size 32`, the same crops, at 91.7 % after 8.)"""
     evaluated = write_digits_imagefolder(tmp_path)
     data = build_data(TrainConfig(dataset="imagefolder", data_dir=str(tmp_path)))
     from PIL import Image
@@ -134,7 +139,7 @@ def test_a_users_image_folder_is_left_as_it_is(tmp_path, train_in_process):
     written = np.asarray(Image.open(path), dtype=np.float32).transpose(2, 0, 1) / 255 * 2 - 1
     assert data.train[0][0].shape == (3, 32, 32)
     assert np.allclose(data.train[0][0].numpy(), written, atol=1e-6)  # the pixels as written, normalised
-    s = train_in_process(model="mlp", dataset="imagefolder", data_dir=str(tmp_path), epochs=10)
+    s = train_in_process(model="mlp", dataset="imagefolder", data_dir=str(tmp_path), epochs=8)
     assert s["augment"] == "none" and s["eval_samples"] == evaluated
     assert s["eval"]["accuracy"] >= 0.95
 
@@ -186,8 +191,16 @@ def test_broken_torchvision_is_reported_not_a_crash(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    code = "import acc_trainer, acc_trainer.loop, acc_trainer.cli; print('imported')"
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == "imported\n"
+    # It imports; and then, in the same process, workloads that do not need torchvision still run (their
+    # output to stderr, so that stdout holds what the import printed alone).
+    code = ("import acc_trainer, acc_trainer.loop, acc_trainer.cli; print('imported', flush=True)\n"
+            "import contextlib, sys\n"
+            "with contextlib.redirect_stdout(sys.stderr):\n"
+            f"    acc_trainer.cli.main(['--model', 'mlp', '--max-steps', '2', '--eval-size', '64', '--output-dir', "
+            f"{str(tmp_path / 'ok')!r}])\n")
+    imported = check(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True))
+    assert imported.stdout == "imported\n"
+    assert (tmp_path / "ok" / "summary.json").exists()
     result = subprocess.run([sys.executable, "-m", "acc_trainer", "--model", "resnet18", "--max-steps", "1",
                              "--output-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
                             cwd=tmp_path)
@@ -196,9 +209,6 @@ def test_broken_torchvision_is_reported_not_a_crash(tmp_path):
         "acc-trainer: error: torchvision cannot be imported (operator torchvision::nms does not exist); install the "
         f"torchvision release built for torch {torch.__version__} (pip install torchvision)"
     )
-    # Workloads that do not need torchvision still run.
-    check(subprocess.run([sys.executable, "-m", "acc_trainer", "--model", "mlp", "--max-steps", "2", "--eval-size",
-                          "64", "--output-dir", str(tmp_path / "ok")], env=env, capture_output=True, text=True))
 
 
 def test_resnet18_trains_on_upscaled_images(train_in_process):

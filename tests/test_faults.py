@@ -10,8 +10,10 @@ import subprocess
 import sys
 import time
 
+import shutil
+
 import pytest
-from conftest import BIN, _env, check, free_port, launch, run_cli, summary
+from conftest import BIN, _env, check, free_port, launch, run_cli, run_here, summary
 
 SMALL = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--progress", "none"]
 
@@ -40,20 +42,38 @@ def test_bench_output_dir_is_the_bench_folder(tmp_path):
         raise AssertionError("both folders were accepted")
 
 
-def test_no_noise_from_libraries_the_run_does_not_use(tmp_path):
+FINISHED = [*SMALL, "--max-steps", "4", "--checkpoint-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """`python -m acc_trainer FINISHED --output-dir RUN` in a fresh process (its module run as -m runs it),
+    which then prints on stdout whether the run imported DeepSpeed: (RUN, the process's result). RUN holds
+    checkpoints at steps 2 and 4; a test that changes it works on a copy (`copy_of`)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    args = [*FINISHED, "--output-dir", str(out)]
+    code = (f"import runpy, sys; sys.argv = ['acc_trainer', *{args!r}]; "
+            "runpy.run_module('acc_trainer', run_name='__main__', alter_sys=True); print('deepspeed' in sys.modules)")
+    return out, check(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(),
+                                     timeout=300))
+
+
+def copy_of(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def test_no_noise_from_libraries_the_run_does_not_use(tmp_path, finished_run):
     """DeepSpeed (installed by the dev extra) is not imported by a plain run, and resuming does not print
     torch's warning about the pickle protocol of Accelerate's own files."""
-    out = tmp_path / "run"
-    first = check(run_cli(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out))
-    again = check(run_cli(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out,
-                          "--resume", str(out / "checkpoints" / "step-00000002")))
+    run, first = finished_run
+    out = copy_of(run, tmp_path)
+    again = check(run_cli(*FINISHED, "--output-dir", out, "--resume", str(out / "checkpoints" / "step-00000002")))
     for result in (first, again):
         assert "real_accelerator" not in result.stderr and "Setting accelerator to CPU" not in result.stderr
         assert "pickle protocol" not in result.stderr and "Warning" not in result.stderr, result.stderr
-    probe = ("import sys; from acc_trainer.config import make_config; from acc_trainer.loop import train; "
-             f"train(make_config(dict(model='mlp', max_steps=2, train_size=128, batch_size=64, progress='none', "
-             f"output_dir={str(tmp_path / 'probe')!r}))); print('deepspeed' in sys.modules)")
-    assert check(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)).stdout.strip() == "False"
+    assert first.stdout.strip() == "False"  # 'deepspeed' in sys.modules once the run has ended
 
 
 def test_one_process_where_two_were_meant_is_said(tmp_path):
@@ -62,12 +82,6 @@ def test_one_process_where_two_were_meant_is_said(tmp_path):
     assert summary(tmp_path / "run")["world_size"] == 1
     assert ("acc-trainer: warning: accelerate launch started ONE process (without --multi_gpu it starts several only "
             "on GPUs); for N: accelerate launch --multi_gpu --num_processes N -m acc_trainer") in result.stderr
-
-
-def _finished_run_with_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    check(run_cli(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out))
-    return out, out / "checkpoints" / "step-00000002"
 
 
 class _RunsCode:
@@ -80,13 +94,13 @@ class _RunsCode:
         return (open, (self.marker, "w"))
 
 
-def test_a_checkpoint_whose_rng_states_cannot_be_restored_is_refused(tmp_path, main_in_process):
-    out, checkpoint = _finished_run_with_checkpoint(tmp_path)
+def test_a_checkpoint_whose_rng_states_cannot_be_restored_is_refused(tmp_path, main_in_process, finished_run):
+    out = copy_of(finished_run[0], tmp_path)  # a finished run, FINISHED: checkpoints at steps 2 and 4
+    checkpoint = out / "checkpoints" / "step-00000002"
     marker = tmp_path / "code-ran"
     with open(checkpoint / "random_states_0.pkl", "wb") as f:
         pickle.dump({"random_state": _RunsCode(marker)}, f)
-    code, _, stderr = main_in_process(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out,
-                                      "--resume", checkpoint)
+    code, _, stderr = main_in_process(*FINISHED, "--output-dir", out, "--resume", checkpoint)
     assert code == 2 and stderr.count("\n") == 1, stderr
     assert (f"acc-trainer: error: checkpoint {checkpoint}: the random number generator states of process 0 cannot be "
             "restored (random_states_0.pkl: it holds more than plain data and was refused)") in stderr
@@ -97,8 +111,7 @@ def test_a_checkpoint_whose_rng_states_cannot_be_restored_is_refused(tmp_path, m
     states = torch.load(checkpoint.parent / "step-00000004" / "random_states_0.pkl", weights_only=False)
     states["torch_manual_seed"] = torch.random.default_generator.get_state()[:0]  # empty: set_rng_state fails
     torch.save(states, checkpoint / "random_states_0.pkl")
-    code, _, stderr = main_in_process(*SMALL, "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", out,
-                                      "--resume", checkpoint)
+    code, _, stderr = main_in_process(*FINISHED, "--output-dir", out, "--resume", checkpoint)
     assert code == 2 and "the random number generator states of process 0 cannot be restored" in stderr
 
 
@@ -123,8 +136,9 @@ def test_two_runs_on_one_folder_and_a_killed_runs_lock(tmp_path):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    # The killed run held the lock; the operating system released it with the process.
-    resumed = check(run_cli(*job, "--resume", "auto"))
+    # The killed run held the lock; the operating system released it with the process (this process takes
+    # it now, continuing the run to its end).
+    resumed = check(run_here(*job, "--resume", "auto"))
     assert summary(out)["resumed_from"] and summary(out)["steps"] == 200, resumed.stderr
 
 
@@ -200,14 +214,14 @@ def test_an_unreadable_sample_stops_with_its_name_after_a_checkpoint(tmp_path):
     assert (out / "checkpoints" / f"step-{step - 1:08d}" / "trainer_state.json").exists()
 
     # --skip-bad-samples: the steps whose batch held it are skipped, on every epoch, counted and named.
-    skipping = check(run_cli(*PHOTOS, "--data-dir", tmp_path / "photos", "--output-dir", tmp_path / "skip",
-                             "--skip-bad-samples"))
+    skipping = check(run_here(*PHOTOS, "--data-dir", tmp_path / "photos", "--output-dir", tmp_path / "skip",
+                              "--skip-bad-samples"))
     s = summary(tmp_path / "skip")
     assert s["bad_sample_steps"] == len(s["unreadable_samples"]) == 2 and s["steps"] == 12, skipping.stderr
     assert all(name.startswith(str(broken)) for name in s["unreadable_samples"])
 
     # acc-trainer check-data lists it before a long run starts.
-    listed = run_cli("check-data", *PHOTOS, "--data-dir", tmp_path / "photos")
+    listed = run_here("check-data", *PHOTOS, "--data-dir", tmp_path / "photos")
     assert listed.returncode == 1
     assert f"unreadable training sample: {broken} (OSError: image file is truncated" in listed.stdout
     assert "training: 47 of 48 samples read" in listed.stdout and "evaluation: 15 of 15 samples read" in listed.stdout

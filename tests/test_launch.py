@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
-from conftest import CONFIGS, check, launch, metrics, run_cli, summary
+from conftest import CONFIGS, check, launch, metrics, run_here, summary
 
 EXPECTED_CONFIGS = {
     "cpu.yaml": ("NO", 1, 1),
@@ -64,8 +64,8 @@ def test_batch_that_does_not_split_over_processes(tmp_path):
 
 
 def test_linear_regression_learns_two_and_three(tmp_path):
-    """y = 2x + 3 + noise, 10,000 samples, batch 32, SGD lr 0.01, 10 epochs."""
-    result = check(run_cli("--model", "linreg", "--dataset", "linear", "--train-size", "10000", "--eval-size", "1000",
+    """y = 2x + 3 + noise, 10,000 samples, batch 32, SGD lr 0.01, 10 epochs (one process: run in this one)."""
+    result = check(run_here("--model", "linreg", "--dataset", "linear", "--train-size", "10000", "--eval-size", "1000",
                            "--batch-size", "32", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.01",
                            "--epochs", "10", "--log-every", "100", "--output-dir", tmp_path / "run"))
     learned = summary(tmp_path / "run")["learned"]

@@ -14,7 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 import user_project
-from conftest import BIN, REPO, _env, check, free_port, launch, metrics, run_cli, summary
+from conftest import BIN, REPO, _env, check, free_port, launch, metrics, reset_accelerate, run_cli, summary
+
+
+# The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 EXAMPLES = REPO / "examples"
 
@@ -107,11 +111,19 @@ def test_a_bug_in_the_users_model_keeps_its_traceback_with_the_step(fit, project
     assert "acc_trainer: raised in epoch 1, after optimizer step 2, process 0 of 1" in caught.value.__notes__
 
 
-def test_a_transformers_model_with_its_own_loss_on_dict_batches(tmp_path):
-    """examples/tiny_transformer.py in a short form: a BERT built from a config, dict batches, its own loss."""
+def test_a_transformers_model_with_its_own_loss_on_dict_batches(tmp_path, monkeypatch):
+    """examples/tiny_transformer.py in a short form: a BERT built from a config, dict batches, its own loss.
+    Run in this process, as `python tiny_transformer.py ...` runs it."""
+    import runpy
+
     out = tmp_path / "run"
-    check(subprocess.run([sys.executable, EXAMPLES / "tiny_transformer.py", "--epochs", "1", "--max-steps", "16",
-                          "--log-every", "4", "--output-dir", out], capture_output=True, text=True, env=_env(), timeout=300))
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "tiny_transformer.py"), "--epochs", "1", "--max-steps", "16",
+                                      "--log-every", "4", "--output-dir", str(out)])
+    reset_accelerate()
+    try:
+        runpy.run_path(str(EXAMPLES / "tiny_transformer.py"), run_name="__main__")
+    finally:
+        reset_accelerate()
     s = summary(out)
     assert s["loss_function"] == "the model's own" and s["eval_samples"] == 512
     assert s["eval"]["accuracy"] > 0.6  # the majority class is about half
@@ -261,12 +273,18 @@ def test_a_missing_module_from_the_shell_is_one_line(tmp_path):
                              f"{tmp_path} and the installed packages)\n")
 
 
-def test_zoo_models_get_the_datas_number_of_classes(tmp_path):
+def test_zoo_models_get_the_datas_number_of_classes(tmp_path, main_in_process, monkeypatch):
     """examples/shapes.py (a Dataset class of the user's) with `torchvision:resnet18` and `timm:resnet18`."""
     out = tmp_path / "tv"
-    check(run_cli("--model", "torchvision:resnet18", "--dataset", "shapes:load", "--dataset-args",
-                  "{train_size: 64, eval_size: 37}", "--batch-size", "32", "--max-steps", "2", "--output-dir", out,
-                  cwd=EXAMPLES))
+    monkeypatch.chdir(EXAMPLES)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    try:
+        code, _, stderr = main_in_process("--model", "torchvision:resnet18", "--dataset", "shapes:load",
+                                          "--dataset-args", "{train_size: 64, eval_size: 37}", "--batch-size", "32",
+                                          "--max-steps", "2", "--output-dir", out)
+    finally:
+        sys.modules.pop("shapes", None)
+    assert code == 0, stderr
     assert summary(out)["eval_samples"] == 37
     assert load_file(out / "model.safetensors")["fc.weight"].shape == (3, 512)  # Shapes.classes: 3
     pytest.importorskip("timm")
@@ -278,15 +296,27 @@ def test_zoo_models_get_the_datas_number_of_classes(tmp_path):
     assert model.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, 7)
 
 
-def test_the_examples_run(tmp_path):
-    """examples/signal_classifier.py (fit in a script) and examples/signal.yaml (import paths in YAML)."""
+def test_the_examples_run(tmp_path, main_in_process, monkeypatch):
+    """examples/signal_classifier.py (fit in a script) and examples/signal.yaml (import paths in YAML), both
+    in this process, as `python signal_classifier.py` and `acc-trainer --config signal.yaml` run them. (The
+    console script from a user's folder: test_import_paths_from_the_users_folder_with_the_console_script;
+    signal.yaml as the README's command, in a process of its own: test_readme.)"""
+    import runpy
+
     out = tmp_path / "script"
-    check(subprocess.run([sys.executable, EXAMPLES / "signal_classifier.py", "--epochs", "1", "--output-dir", out],
-                         capture_output=True, text=True, env=_env(), timeout=300))
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "signal_classifier.py"), "--epochs", "1", "--output-dir",
+                                      str(out)])
+    reset_accelerate()
+    runpy.run_path(str(EXAMPLES / "signal_classifier.py"), run_name="__main__")
     assert summary(out)["eval"]["accuracy"] > 0.8 and summary(out)["eval_samples"] == 1000
     out = tmp_path / "yaml"
-    check(run_cli("--config", "signal.yaml", "--epochs", "1", "--output-dir", out, cwd=EXAMPLES,
-                  command=[str(BIN / "acc-trainer")]))
+    monkeypatch.chdir(EXAMPLES)  # the user's folder, where signal.yaml's import paths point
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    try:
+        code, _, stderr = main_in_process("--config", "signal.yaml", "--epochs", "1", "--output-dir", out)
+    finally:
+        sys.modules.pop("signal_classifier", None)  # a new process would import it afresh
+    assert code == 0, stderr
     s = summary(out)
     assert s["model"] == "signal_classifier:SignalNet" and s["eval_samples"] == 500
     assert load_file(out / "model.safetensors")["head.weight"].shape == (3, 16)  # channels: 16, 3 classes

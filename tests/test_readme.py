@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from safetensors.torch import load_file
 
-from conftest import REPO, _env, summary
+from conftest import REPO, _env, metrics, summary
 
 README = REPO / "README.md"
 MARKER = "<!-- test: runs -->"
@@ -78,6 +80,44 @@ def test_readme_command_runs(command, tmp_path):
     assert "eval" in s and s["eval_samples"] > 0
     if argv[3:] == []:  # the default job: "reaches 95 % accuracy (chance is 10 %)"
         assert s["eval"]["accuracy"] >= 0.9, s["eval"]
+        default_job_learns_and_leaves_its_files(runs[0], result.stdout, cwd)
+
+
+def default_job_learns_and_leaves_its_files(run_dir: Path, out: str, cwd: Path) -> None:
+    """The checks of the default job (`python -m acc_trainer` with no options, its only run in the suite;
+    test_the_readme_has_its_quick_start makes sure the README keeps it)."""
+    from acc_trainer.config import TrainConfig
+    from acc_trainer.flags import parse_config
+
+    assert run_dir.parent == cwd / "runs"  # default output dir: a new folder under runs/
+    assert list((cwd / "runs").iterdir()) == [run_dir]
+    s = summary(run_dir)
+    assert s["eval"]["accuracy"] > 0.8  # 10 classes: chance is 0.1
+    assert f"accuracy {s['eval']['accuracy']:.2%}" in out
+    assert s["eval_samples"] == TrainConfig().eval_size
+    assert s["world_size"] == 1 and s["distributed_type"] == "NO" and s["mixed_precision"] == "no"
+    assert s["ranks_agree"] is True
+    assert {"torch", "accelerate", "torchvision", "python"} <= set(s["versions"])
+    assert s["wall_time_s"] > 0 and s["samples_per_s"] > 0
+
+    records = metrics(run_dir)
+    train_records = [r for r in records if "loss" in r]
+    eval_records = [r for r in records if "eval_accuracy" in r]
+    assert {"step", "epoch", "loss", "lr", "samples_per_s"} <= set(train_records[0])
+    assert [r["epoch"] for r in eval_records] == [1, 2, 3]
+    assert train_records[-1]["loss"] < train_records[0]["loss"] / 2
+
+    # The resolved configuration reads back as a config file and reproduces the defaults.
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert parse_config(["--config", str(run_dir / "config.yaml")]).to_dict() == resolved
+
+    # Final weights: saved once, and they load into a freshly built model of the same name.
+    from acc_trainer.components import build_data, build_model
+
+    model = build_model(TrainConfig(), build_data(TrainConfig()))
+    weights = load_file(run_dir / "model.safetensors")
+    assert set(weights) == set(model.state_dict())
+    model.load_state_dict(weights)
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -8,7 +8,11 @@ import matplotlib.image
 import pytest
 import yaml
 
-from conftest import check, run_cli, summary
+from conftest import check, run_cli, run_here, summary
+
+
+# The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
+pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = {"loss.png", "eval.png", "lr.png", "throughput.png", "time_split.png"}
@@ -22,11 +26,11 @@ def assert_png(path: Path, min_side: int = 300) -> None:
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """Two short runs that differ in their learning rate."""
+    """Two short runs that differ in their learning rate (in this process, as `acc-trainer` runs them)."""
     folder = tmp_path_factory.mktemp("runs")
     for name, lr in (("slow", "0.0003"), ("fast", "0.003")):
-        out = check(run_cli("--model", "mlp", "--epochs", "2", "--train-size", "1024", "--eval-size", "256",
-                            "--log-every", "2", "--lr", lr, "--output-dir", folder / name)).stdout
+        out = check(run_here("--model", "mlp", "--epochs", "2", "--train-size", "1024", "--eval-size", "256",
+                             "--log-every", "2", "--lr", lr, "--output-dir", folder / name)).stdout
         (folder / f"{name}.stdout").write_text(out)
     return folder
 
@@ -49,16 +53,17 @@ def test_end_of_run_summary_table(two_runs):
     assert f"{two_runs / 'fast'}/model.safetensors" in out and "plots/" in out
 
 
-def test_report_compares_runs(two_runs, tmp_path):
+def test_report_compares_runs(two_runs, tmp_path, main_in_process):
     figure = tmp_path / "compare.png"
-    result = check(run_cli("report", two_runs / "slow", two_runs / "fast", "--labels", "lr 3e-4", "lr 3e-3",
-                           "--output", figure, cwd=tmp_path))
+    code, stdout, stderr = main_in_process("report", two_runs / "slow", two_runs / "fast", "--labels", "lr 3e-4",
+                                           "lr 3e-3", "--output", figure)
+    assert code == 0, stderr
     for name, label in (("slow", "lr 3e-4"), ("fast", "lr 3e-3")):
         s = summary(two_runs / name)
-        row = next(line for line in result.stdout.splitlines() if label in line)
+        row = next(line for line in stdout.splitlines() if label in line)
         assert f"{s['eval']['accuracy']:.2%}" in row and f"{s['eval']['loss']:.4f}" in row
         assert f"{s['samples_per_s']:,.0f}" in row and "mlp / synthetic" in row
-    assert f"comparison figure: {figure}" in result.stdout
+    assert f"comparison figure: {figure}" in stdout
     assert_png(figure)
 
 

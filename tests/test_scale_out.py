@@ -10,10 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, CONFIGS, _env, check, free_port, launch, run_cli, summary
+from conftest import BIN, CONFIGS, _env, check, free_port, launch, run_here, summary
 
 JOB = ["--model", "mlp", "--train-size", "1024", "--eval-size", "256", "--batch-size", "64", "--epochs", "2",
        "--max-steps", "24", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"]
+# Added to the single-process runs, which nothing here draws figures of; the launches of several processes keep
+# them (a process ends only after the main one has drawn its figures, as in a user's run).
+NO_PLOTS = ["--no-plots"]
 
 
 def test_two_machines_train_like_one_process(tmp_path):
@@ -27,7 +30,7 @@ def test_two_machines_train_like_one_process(tmp_path):
     for machine in machines:
         _, stderr = machine.communicate(timeout=300)
         assert machine.returncode == 0, stderr[-3000:]
-    check(run_cli(*JOB, "--output-dir", tmp_path / "one"))
+    check(run_here(*JOB, *NO_PLOTS, "--output-dir", tmp_path / "one"))  # one process: this one, on one thread
     s = summary(tmp_path / "two")
     assert (s["world_size"], s["distributed_type"], s["ranks_agree"]) == (2, "MULTI_CPU", True)
     one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
@@ -72,15 +75,15 @@ SHARDED_JOB = ["--model", "mlp", "--train-size", "1024", "--eval-size", "256", "
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
-    """SHARDED_JOB on one plain process: the reference for FSDP and DeepSpeed."""
+    """SHARDED_JOB on one plain process (this one, on one thread): the reference for FSDP and DeepSpeed."""
     out = tmp_path_factory.mktemp("plain") / "run"
-    check(run_cli(*SHARDED_JOB, "--output-dir", out))
+    check(run_here(*SHARDED_JOB, *NO_PLOTS, "--output-dir", out))
     return out
 
 
-def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, shards: str) -> None:
-    """Trains SHARDED_JOB under an engine, checkpointing at step 10, then resumes from that checkpoint."""
-    check(launch(*SHARDED_JOB, "--output-dir", tmp_path / "run", "--checkpoint-every", "10",
+def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, shards: str, extra=()) -> None:
+    """Trains SHARDED_JOB (+ EXTRA) under an engine, checkpointing at step 10, then resumes from that checkpoint."""
+    check(launch(*SHARDED_JOB, *extra, "--output-dir", tmp_path / "run", "--checkpoint-every", "10",
                  launcher_args=launcher_args))
     s, plain = summary(tmp_path / "run"), summary(plain_run)
     assert s["distributed_type"] == engine
@@ -99,7 +102,7 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
     assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
 
     # Resumed from the step-10 checkpoint, the run ends with exactly the same weights.
-    check(launch(*SHARDED_JOB, "--output-dir", tmp_path / "resumed", "--resume", checkpoint,
+    check(launch(*SHARDED_JOB, *extra, "--output-dir", tmp_path / "resumed", "--resume", checkpoint,
                  launcher_args=launcher_args))
     resumed = load_file(tmp_path / "resumed" / "model.safetensors")
     assert all(torch.equal(resumed[k], final[k]) for k in final)
@@ -126,7 +129,7 @@ def test_fsdp_on_two_cpu_processes(tmp_path, plain_run):
 def test_deepspeed_on_one_cpu_process(tmp_path, plain_run):
     """deepspeed.yaml (ZeRO-2) as one CPU process, the one DeepSpeed setup Accelerate allows without a GPU."""
     check_sharded_engine(tmp_path, plain_run, "DEEPSPEED", ["--config_file", CONFIGS / "deepspeed.yaml",
-                         "--num_processes", "1", "--mixed_precision", "no"], "pytorch_model")
+                         "--num_processes", "1", "--mixed_precision", "no"], "pytorch_model", extra=NO_PLOTS)
 
 
 def test_deepspeed_input_errors(tmp_path, main_in_process, monkeypatch):

@@ -1,7 +1,7 @@
 """Same computation on every topology: 1 vs 2 (vs 3) processes, accumulation, precision, evaluation.
 
-The jobs run through tests/topology_probe.py: once with 1 process, once launched with 2 and once
-with 3 (`accelerate launch --multi_gpu`, gloo on the CPU). Each comparison below would catch a
+The jobs run through tests/topology_probe.py: once with 1 process (the test's own), once launched with
+2 and once with 3 (`accelerate launch --multi_gpu`, gloo on the CPU). Each comparison below would catch a
 broken gradient sync, a double-counted or dropped sample, a wrong accumulation scale or ranks
 that drift apart.
 """
@@ -9,13 +9,12 @@ that drift apart.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, check, launch, metrics, summary
+from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, summary
 
 PROBE = REPO / "tests" / "topology_probe.py"
 BASE = {"train_size": 1024, "eval_size": 256, "batch_size": 64, "epochs": 2, "max_steps": 24, "log_every": 4}
@@ -66,21 +65,24 @@ THREE_PROCESSES = [{"kind": "eval", "name": "eval", **EVAL}]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
-    """Folder of each launch's results, by number of processes."""
-    import subprocess
-
-    from conftest import _env
+    """Folder of each launch's results, by number of processes. The 1-process jobs run in this process
+    (on one thread, as a launched process runs), the others in one launch of 2 and one of 3 processes."""
+    import topology_probe
 
     folders = {}
     for world, jobs in ((1, ONE_PROCESS), (2, TWO_PROCESSES), (3, THREE_PROCESSES)):
         folder = tmp_path_factory.mktemp(f"world{world}")
         (folder / "jobs.json").write_text(json.dumps(jobs))
-        args = [folder / "jobs.json", folder]
         if world == 1:
-            check(subprocess.run([sys.executable, PROBE, *args], capture_output=True, text=True, env=_env(),
-                                 timeout=600))
+            reset_accelerate()
+            try:
+                with one_thread():
+                    topology_probe.run_jobs(jobs, folder)
+            finally:
+                reset_accelerate()
         else:
-            check(launch(*args, launcher_args=["--multi_gpu", "--num_processes", world], target=[PROBE], timeout=600))
+            check(launch(folder / "jobs.json", folder, launcher_args=["--multi_gpu", "--num_processes", world],
+                         target=[PROBE], timeout=600))
         folders[world] = folder
     return folders
 

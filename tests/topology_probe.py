@@ -2,6 +2,7 @@
 
     python tests/topology_probe.py JOBS.json OUT_DIR                       (1 process)
     accelerate launch --multi_gpu --num_processes 2 tests/topology_probe.py JOBS.json OUT_DIR
+    topology_probe.run_jobs(JOBS, OUT_DIR)                                 (1 process: the test's own)
 
 One launch runs many jobs because starting processes costs more than these small jobs. Jobs:
   train:     acc_trainer.loop.train(options); the run folder is OUT_DIR/<name>
@@ -33,9 +34,6 @@ from acc_trainer.loaders import build_loaders, dataloader_config
 from acc_trainer.loop import evaluate, train
 from acc_trainer.processes import check_ranks_agree
 
-# One process group serves every job of the launch; a fresh Accelerator per job.
-PartialState.destroy_process_group = lambda self, group=None: None
-
 
 def fresh_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=False)
@@ -43,7 +41,8 @@ def fresh_state() -> None:
 
 
 def run_train(job: dict, out: Path) -> None:
-    train(make_config({"progress": "none", **job["options"], "output_dir": str(out / job["name"])}))
+    # No figures: nothing here looks at them, and drawing them costs more than these small runs train.
+    train(make_config({"progress": "none", "plots": False, **job["options"], "output_dir": str(out / job["name"])}))
 
 
 def run_order(job: dict) -> dict:
@@ -129,8 +128,8 @@ def run_allreduce(job: dict, out: Path) -> dict:
     return {"allreduce_calls": calls[0]}
 
 
-def main() -> None:
-    jobs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+def run_jobs(jobs: list[dict], out: Path) -> None:
+    """Every job, one after another, in this process (of a launch, or a test's own for 1 process)."""
     for job in jobs:
         fresh_state()
         kind = job["kind"]
@@ -144,6 +143,12 @@ def main() -> None:
         if PartialState().is_main_process:
             (out / f"{job['name']}.json").write_text(json.dumps(result))
         PartialState().wait_for_everyone()
+
+
+def main() -> None:
+    # One process group serves every job of the launch; a fresh Accelerator per job.
+    PartialState.destroy_process_group = lambda self, group=None: None
+    run_jobs(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
 
 
 if __name__ == "__main__":
