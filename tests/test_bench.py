@@ -103,3 +103,28 @@ def test_channels_last_reaches_the_model_and_changes_no_result(train_in_process,
     assert seen and all(seen)  # every training and evaluation batch arrived channels-last
     a, b = load_file(f"{plain['output_dir']}/model.safetensors"), load_file(f"{fast['output_dir']}/model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_whole_process_speed_is_the_difference_of_two_runs(monkeypatch, tmp_path):
+    """--whole-process: each variant also runs at twice the steps; samples/s come from the difference of the
+    two wall times (start-up cancels out), and the table compares them with the hand-written loop's."""
+    from acc_trainer.tools import bench
+
+    walls = {("acc_trainer", 100): 5.0, ("acc_trainer", 200): 6.0, ("raw", 100): 4.0, ("raw", 200): 6.0}
+    calls = []
+
+    def fake_run(kind, processes, cfg, steps, folder):
+        calls.append((kind, steps))
+        return {"samples_per_s": 1.0, "time_s": 1.0, "step_time_s": 0.01, "data_time_s": 0.001,
+                "peak_memory_mb": 1.0, "wall_s": walls[(kind, steps)]}
+
+    monkeypatch.setattr(bench, "run_variant", fake_run)
+    out = tmp_path / "bench"
+    bench.main(["--model", "linreg", "--dataset", "linear", "--batch-size", "32", "--processes", "1",
+                "--baselines", "raw", "--steps", "100", "--repeats", "1", "--whole-process", "--bench-dir", str(out)])
+    assert sorted(calls) == [("acc_trainer", 100), ("acc_trainer", 200), ("raw", 100), ("raw", 200)]
+    rows = {r["implementation"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    assert rows["acc_trainer"]["whole_samples_per_s"] == 100 * 32 / 1.0  # 100 more steps took 1 s more
+    assert rows["raw"]["whole_samples_per_s"] == 100 * 32 / 2.0
+    assert rows["acc_trainer"]["whole_vs_baseline"] == 2.0
+    assert "| acc_trainer | 1 | 3,200 | 2.000 |" in (out / "bench.md").read_text()
