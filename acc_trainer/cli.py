@@ -17,18 +17,19 @@ from .flags import parse_config
 
 def check_data(argv: list[str]) -> None:
     """`acc-trainer check-data [options]`: opens every sample of the dataset the options name, once, and
-    lists those that cannot be read; exit 1 when there are some."""
-    from .components import build_data
+    lists those that cannot be read (or that --collate cannot batch); exit 1 when there are some."""
+    from .components import build_batching, build_data
     from .data import unreadable_samples
     from .progress import make_console
 
     cfg = parse_config(argv)
     data = build_data(cfg)
+    collate, _ = build_batching(cfg.collate, None)
     console, bad = make_console(), 0
     for split, dataset in (("training", data.train), ("evaluation", data.eval)):
         if dataset is None:
             continue
-        names = unreadable_samples(dataset)
+        names = unreadable_samples(dataset, collate)
         bad += len(names)
         for name in names:
             console.print(f"unreadable {split} sample: {name}", markup=False)

@@ -24,7 +24,9 @@ import inspect
 import os
 import sys
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -32,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import losses, metrics as builtin_metrics
-from .config import ConfigError, TrainConfig, first_line
+from .config import IMPORT_PATH, ConfigError, TrainConfig, first_line
 from .data import DATASETS, Data, InMemory, RawImages, check_data, torchvision
 from .models import MODELS
 
@@ -53,6 +55,8 @@ class Workload:
     model_name: str
     dataset_name: str
     loss_name: str | None = None
+    collate: Callable | None = None  # list of samples -> batch; None: torch's default_collate
+    forward: Callable | None = None  # (model, batch) -> (outputs, targets); None: losses.forward
 
 
 def import_object(path: str, what: str) -> Any:
@@ -116,7 +120,21 @@ def build_workload(cfg: TrainConfig) -> Workload:
     model = build_model(cfg, data)
     loss = build_loss(cfg.loss) if cfg.loss else None
     metrics = build_metrics(cfg.metrics) if cfg.metrics is not None else None
-    return Workload(model, data, loss, metrics, cfg.model, cfg.dataset, cfg.loss)
+    return Workload(model, data, loss, metrics, cfg.model, cfg.dataset, cfg.loss, *build_batching(cfg.collate, cfg.forward))
+
+
+def build_batching(collate, forward) -> tuple[Callable | None, Callable | None]:
+    """The collate and forward functions: objects, import paths, or a built-in forward's name."""
+    if isinstance(collate, str):
+        collate = _callable(import_object(collate, "--collate"), collate, "--collate")
+    elif collate is not None:
+        collate = _callable(collate, repr(collate), "fit: collate_fn")
+    if isinstance(forward, str):
+        forward = losses.FORWARDS[forward] if forward in losses.FORWARDS else _callable(
+            import_object(forward, "--forward"), forward, "--forward")
+    elif forward is not None:
+        forward = _callable(forward, repr(forward), "fit: forward")
+    return collate, None if forward is losses.forward else forward
 
 
 def build_data(cfg: TrainConfig) -> Data:
@@ -214,7 +232,7 @@ def _callable(obj: Any, spec: str, what: str) -> Callable:
 # -------------------------------------------------------------------------------------- from objects
 
 
-def from_objects(model: nn.Module, train_data, eval_data, loss, metrics) -> Workload:
+def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate=None, forward=None) -> Workload:
     """`fit()`'s arguments as a Workload: the same checks the command line's objects get."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
@@ -231,7 +249,8 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics) -> Work
                    else next(iter(build_metrics([m]).values())) for name, m in metrics.items()}
     elif metrics is not None:
         raise ConfigError(f"fit: metrics must be a dict of name -> metric or a list of names, not {type(metrics).__name__}")
-    return Workload(model, data, loss, metrics, qualified_name(model), qualified_name(train_data), loss_name)
+    return Workload(model, data, loss, metrics, qualified_name(model), qualified_name(train_data), loss_name,
+                    *build_batching(collate, forward))
 
 
 def qualified_name(obj: Any) -> str:
@@ -239,6 +258,12 @@ def qualified_name(obj: Any) -> str:
     kind = type(obj)
     name = kind.__qualname__ if "<" not in kind.__qualname__ else kind.__name__  # a class made inside a function
     return f"{kind.__module__}:{name}"
+
+
+def function_name(fn: Callable) -> str | None:
+    """`module:function` of a function defined at a module's top level (what config.yaml records), else None."""
+    name = f"{getattr(fn, '__module__', '')}:{getattr(fn, '__qualname__', '')}"
+    return name if IMPORT_PATH.match(name) else None
 
 
 def data_from(train, eval_, name: str) -> Data:
@@ -290,71 +315,178 @@ def _num_classes(dataset) -> int | None:
 # ------------------------------------------------------------------------------ one sample, all through
 
 
-def first_samples(dataset, n: int):
+def first_samples(dataset, n: int, collate: Callable | None = None):
     """The first `n` samples as one batch, collated as the training loader collates them."""
-    collate = InMemory.collate if isinstance(dataset, InMemory) else None
+    if collate is None:
+        collate = InMemory.collate if isinstance(dataset, InMemory) else None
     indices = [list(range(min(n, len(dataset))))]
     # A generator of its own: iterating a DataLoader otherwise draws from the global RNG.
     return next(iter(DataLoader(dataset, batch_sampler=indices, collate_fn=collate, generator=torch.Generator())))
 
 
-def check_fit(job: Workload) -> tuple[Callable, str, dict[str, Callable]]:
-    """Passes two training samples through the model, the loss and the metrics (no gradients, the
-    model in eval mode, every random number generator left as it was); returns the loss, its name and
-    the metrics, choosing them when the workload leaves them open. A misfit is one line naming the pieces."""
-    data = job.data.train
+@dataclass
+class Checked:
+    """What the first-sample check found: how the run computes its loss, and what it evaluates."""
+
+    loss: Callable  # (outputs, targets) -> losses.Loss, or None when the outputs carry no loss
+    fn: Callable | None  # the loss function `loss` calls (None: the model's own)
+    loss_name: str
+    metrics: dict[str, Callable]
+    items: bool  # the loss is a sum over items (normalised by the global batch's count), not a mean
+    loss_per: str  # "item" (a sum and a count), "sample" (a mean over samples), "position" (a mean over each
+    # micro-batch's positions: tokens, pixels; exact only when every micro-batch has as many)
+    item_scale: float  # items in one process's micro-batch, about: keeps the summed loss near a mean's size
+    eval_loss: bool  # evaluation computes a loss (False: the model returns predictions in evaluation)
+    unused: list[str]  # parameters that got no gradient from the first samples
+
+
+def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
+    """Passes two training samples through the forward, the loss (and its backward) in training mode,
+    then the forward and the metrics in evaluation mode. Nothing of the model changes (its gradients,
+    buffers and every random number generator are put back). Chooses the loss and metrics when the
+    workload leaves them open, finds how the loss counts (a mean, or a sum over items) and which
+    parameters get no gradient. A misfit is one line naming the pieces."""
+    global first_sample_check
+    batch = _first_batch(job)
+    model, was_training = job.model, job.model.training
     try:
-        batch = first_samples(data, 2)
+        first_sample_check = True
+        with torch.random.fork_rng(devices=[]), _model_kept(model):
+            model.train()
+            outputs, targets = _forward(job, batch)
+            fn, loss_name, items = _choose_loss(job, batch, outputs, targets)
+            loss = partial(losses.model_loss, items=items) if fn is None else user_loss(fn)
+            value = _loss_value(loss, loss_name, job, outputs, targets)
+            unused = _unused_parameters(model, value.value) if value.value.requires_grad else []
+            model.eval()
+            with torch.no_grad():
+                outputs, targets = _forward(job, batch)
+                eval_loss = loss(outputs, targets) is not None if loss_name == OWN else True
+    finally:
+        model.train(was_training)
+        first_sample_check = False
+    labels = isinstance(targets, torch.Tensor) and not targets.is_floating_point()
+    metrics = job.metrics
+    if metrics is None:  # accuracy for one class label per sample
+        metrics = {"accuracy": builtin_metrics.accuracy} if labels and targets.dim() == 1 else {}
+    _check_metrics(job, metrics, outputs, targets)
+    count = float(value.items) if value.items is not None else 1.0
+    per_position = isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() >= 2
+    loss_per = "item" if value.items is not None else "position" if per_position else "sample"
+    return Checked(loss, fn, loss_name, metrics, value.items is not None, loss_per, max(count, 1.0) * micro_batch / 2,
+                   eval_loss, unused)
+
+
+OWN = "the model's own"
+first_sample_check = False  # True while check_fit calls the model (tools/check.py's recorder leaves those calls out)
+
+
+def _first_batch(job: Workload):
+    try:
+        return first_samples(job.data.train, 2, job.collate)
     except OSError as e:
         raise ConfigError(f"the first samples of {job.dataset_name} cannot be read ({type(e).__name__}: "
                           f"{first_line(e)}); acc-trainer check-data lists every unreadable sample") from None
     except MISFITS as e:
-        raise ConfigError(f"the samples of {job.dataset_name} cannot be batched: {type(e).__name__}: "
+        how = f"the collate function {_name(job.collate)}" if job.collate else "the default collate (give a collate " \
+            "function for samples of different sizes)"
+        raise ConfigError(f"the samples of {job.dataset_name} cannot be batched by {how}: {type(e).__name__}: "
                           f"{first_line(e)}") from None
-    model, was_training = job.model, job.model.training
-    model.eval()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            try:
-                outputs, targets = losses.forward(model, batch)
-            except MISFITS as e:
-                raise ConfigError(f"model {job.model_name} does not take the samples of {job.dataset_name} "
-                                  f"({describe(batch)}): {type(e).__name__}: {first_line(e)}") from None
-    finally:
-        model.train(was_training)
 
-    labels = isinstance(targets, torch.Tensor) and not targets.is_floating_point()
-    loss, loss_name = job.loss, job.loss_name
-    if loss is None:
-        if losses.own_loss(outputs) is not None:
-            loss, loss_name = losses.model_loss, "the model's own"
-        elif isinstance(targets, torch.Tensor):
-            loss = losses.cross_entropy if labels else losses.mse
-            loss_name = loss.__name__
-        else:
-            raise ConfigError(f"no loss for {job.model_name} on {job.dataset_name}: its outputs carry no 'loss' and "
-                              f"the batches have no target tensor ({describe(batch)}); give one with --loss / loss=")
-    metrics = job.metrics
-    if metrics is None:  # accuracy for one class label per sample
-        metrics = {"accuracy": builtin_metrics.accuracy} if labels and targets.dim() == 1 else {}
+
+def _forward(job: Workload, batch) -> tuple[Any, Any]:
+    call = job.forward or losses.forward
+    try:
+        result = call(job.model, batch)
+    except MISFITS as e:
+        how = f" through the forward function {_name(job.forward)}" if job.forward else ""
+        raise ConfigError(f"model {job.model_name} does not take the samples of {job.dataset_name}{how} "
+                          f"({describe(batch)}): {type(e).__name__}: {first_line(e)}") from None
+    if job.forward and not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise ConfigError(f"the forward function {_name(job.forward)} returned {describe(result)}; it must return "
+                          "(outputs, targets)")
+    return result
+
+
+def user_loss(fn: Callable) -> Callable:
+    """A loss function as the loop calls it: `(outputs, targets) -> losses.Loss`."""
+    return lambda outputs, targets: losses.as_loss(fn(outputs, targets))
+
+
+def _choose_loss(job: Workload, batch, outputs, targets) -> tuple[Callable | None, str, Callable | None]:
+    """The loss function (None: the model's own), its name, and the model's own loss's item counter."""
+    if job.loss is not None:
+        return job.loss, job.loss_name or getattr(job.loss, "__name__", repr(job.loss)), None
+    try:
+        parts = losses.loss_parts(outputs)
+    except ValueError as e:
+        raise ConfigError(f"model {job.model_name}: {e}") from None
+    own = losses.own_loss(outputs)
+    if own is not None or parts:
+        return None, OWN, losses.own_items(outputs, targets, own) if own is not None else None
+    if isinstance(targets, torch.Tensor):
+        fn = losses.cross_entropy if not targets.is_floating_point() else losses.mse
+        return fn, fn.__name__, None
+    raise ConfigError(f"no loss for {job.model_name} on {job.dataset_name}: its outputs carry no 'loss' and "
+                      f"the batches have no target tensor ({describe(batch)}); give one with --loss / loss=")
+
+
+def _loss_value(loss: Callable, loss_name: str, job: Workload, outputs, targets) -> losses.Loss:
     try:
         value = loss(outputs, targets)
+    except losses.NotALoss as e:
+        raise ConfigError(f"loss {loss_name} returned {describe(e.value)}; it must return one number (a 0-dim tensor) "
+                          "or a pair (sum, count)") from None
     except MISFITS as e:
         raise ConfigError(f"loss {loss_name} does not fit the outputs of {job.model_name} ({describe(outputs)}) and "
                           f"targets ({describe(targets)}): {type(e).__name__}: {first_line(e)}") from None
-    if not (isinstance(value, torch.Tensor) and value.dim() == 0):
-        raise ConfigError(f"loss {loss_name} returned {describe(value)}; it must return one number (a 0-dim tensor)")
-    size = len(targets) if isinstance(targets, torch.Tensor) and targets.dim() else None
-    for name, metric in metrics.items():
-        try:
-            value = metric(outputs, targets)
-        except MISFITS as e:
-            raise ConfigError(f"metric {name} does not fit the outputs of {job.model_name} ({describe(outputs)}): "
-                              f"{type(e).__name__}: {first_line(e)}") from None
-        if not isinstance(value, torch.Tensor) or (value.dim() and size is not None and len(value) != size):
-            raise ConfigError(f"metric {name} returned {describe(value)} for {size} samples; it must return one value "
-                              "per sample or one number")
-    return loss, loss_name or getattr(loss, "__name__", repr(loss)), metrics
+    if value is None:
+        raise ConfigError(f"model {job.model_name} returned no loss in training ({describe(outputs)}); give a loss "
+                          "function, or a forward function that passes the targets to the model")
+    return value
+
+
+def _unused_parameters(model: nn.Module, loss: torch.Tensor) -> list[str]:
+    """Names of the trainable parameters one backward pass leaves without a gradient."""
+    loss.backward()
+    return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+
+
+@contextmanager
+def _model_kept(model: nn.Module):
+    """The model's gradients and buffers (BatchNorm statistics) as they were, afterwards."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    for p in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in grads.items():
+            p.grad = grad
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+
+
+def _check_metrics(job: Workload, metrics: dict, outputs, targets) -> None:
+    size = len(targets) if isinstance(targets, (torch.Tensor, list, tuple)) and (
+        not isinstance(targets, torch.Tensor) or targets.dim()) else None
+    with torch.no_grad():
+        for name, metric in metrics.items():
+            try:
+                value = metric(outputs, targets)
+            except MISFITS as e:
+                raise ConfigError(f"metric {name} does not fit the outputs of {job.model_name} ({describe(outputs)}): "
+                                  f"{type(e).__name__}: {first_line(e)}") from None
+            if not isinstance(value, torch.Tensor) or (value.dim() and size is not None and len(value) != size):
+                raise ConfigError(f"metric {name} returned {describe(value)} for {size} samples; it must return one "
+                                  "value per sample or one number")
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def describe(obj: Any) -> str:

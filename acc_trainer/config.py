@@ -28,6 +28,7 @@ PRECISIONS = ("no", "fp16", "bf16")
 PROGRESS = ("auto", "rich", "plain", "none")
 AUGMENTS = ("auto", "none", "standard", "trivialaugment")  # augment.AUGMENTS, and auto
 PIPELINES = ("batched", "per-sample")
+FORWARDS = ("default", "with_targets")  # losses.FORWARDS
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,14 @@ class TrainConfig:
     metrics: list | None = _opt(
         None, "evaluation metrics, comma-separated: accuracy, top5, mae, or pkg.module:function(outputs, targets) "
         "returning one value per sample (default: accuracy for class labels)", metavar="NAMES")
+    collate: str | None = _opt(
+        None, "collate function pkg.module:function(list of samples) -> batch, for samples of different sizes (e.g. "
+        "padding sequences); batches may be any nesting of lists, tuples and dicts of tensors (default: torch's "
+        "default_collate)", metavar="PATH")
+    forward: str | None = _opt(
+        None, "how a batch goes through the model: default (a pair calls model(inputs), a dict model(**batch)), "
+        "with_targets (model(inputs, targets) while training, model(inputs) in evaluation: torchvision's detection "
+        "models), or pkg.module:function(model, batch) returning (outputs, targets)", metavar="NAME|PATH")
     data_dir: str = _opt(
         "data",
         "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train/<class>/*, val/<class>/*)",
@@ -207,6 +216,11 @@ class TrainConfig:
             if value not in builtins and not IMPORT_PATH.match(value):
                 raise ConfigError(f"unknown {name} {value!r}; choose from {', '.join(builtins)}, or give an import path "
                                   f"pkg.module:factory" + (", torchvision:<name> or timm:<name>" if name == "model" else ""))
+        if self.collate is not None and not IMPORT_PATH.match(self.collate):
+            raise ConfigError(f"--collate takes an import path pkg.module:function, got {self.collate!r}")
+        if self.forward is not None and self.forward not in FORWARDS and not IMPORT_PATH.match(self.forward):
+            raise ConfigError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARDS)}, or give an import "
+                              "path pkg.module:function")
         self._checkpoint_parts()  # parses --checkpoint-every
         if self.nesterov and self.optimizer != "sgd":
             raise ConfigError("--nesterov applies to --optimizer sgd only")

@@ -223,11 +223,35 @@ class Guarded(Dataset):
         raise OSError(f"no sample of {type(self.base).__name__} can be read")
 
     @staticmethod
-    def collate(items: list) -> tuple:
+    def collate(items: list, collate=None) -> tuple:
         from torch.utils.data import default_collate
 
         # The indices as plain ints: moved to no device, read without waiting for one.
-        return default_collate([sample for sample, _ in items]), [index for _, index in items]
+        return (collate or default_collate)([sample for sample, _ in items]), [index for _, index in items]
+
+
+class Uncollated:
+    """An evaluation batch's samples, collated only once the loop knows how many of them are real.
+
+    Accelerate pads the last evaluation batch with samples from the start of the set. A batch made by
+    a user's collate function can be any nesting of lists, tuples and dicts, in which the samples
+    cannot be told apart from the parts of one sample (a list of images and a tuple of input tensors
+    look alike), so it cannot be cut back to its real samples once collated: the samples are, before.
+    """
+
+    def __init__(self, samples: list, collate):
+        self.samples, self.collate = samples, collate
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def first(self, n: int):
+        return self.collate(self.samples[:n])
+
+    @staticmethod
+    def later(samples: list, collate) -> "Uncollated":
+        """The evaluation loader's collate_fn (with functools.partial): picklable for workers."""
+        return Uncollated(samples, collate)
 
 
 def reads_files(dataset: Dataset) -> bool:
@@ -246,14 +270,21 @@ def sample_name(dataset: Dataset, index: int) -> str:
     return name
 
 
-def unreadable_samples(dataset: Dataset) -> list[str]:
-    """Opens every sample once: the names of those that cannot be read."""
+def unreadable_samples(dataset: Dataset, collate=None) -> list[str]:
+    """Opens every sample once: the names of those that cannot be read (or, with a collate function,
+    that it cannot batch, each alone)."""
     bad = []
     for index in range(len(dataset)):
         try:
-            dataset[index]
+            sample = dataset[index]
         except OSError:
             bad.append(sample_name(dataset, index))
+            continue
+        if collate is not None:
+            try:
+                collate([sample])
+            except Exception as e:  # noqa: BLE001 - named in the list, whatever the collate function raised
+                bad.append(f"sample {index} (the collate function raised {type(e).__name__}: {first_line(e)})")
     return bad
 
 

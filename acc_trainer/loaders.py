@@ -9,6 +9,8 @@ device when they fit; other datasets one sample at a time through the DataLoader
 from __future__ import annotations
 
 import os
+from functools import partial
+from typing import Callable
 
 import torch
 from accelerate import DataLoaderConfiguration
@@ -16,7 +18,8 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from . import augment as augmentation
 from .config import TrainConfig
-from .data import DATASETS, Data, Guarded, IndexBatches, InMemory, PerSample, augmented, reads_files, steps_per_epoch
+from .data import (DATASETS, Data, Guarded, IndexBatches, InMemory, PerSample, Uncollated, augmented, reads_files,
+                   steps_per_epoch)
 
 
 def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
@@ -27,17 +30,21 @@ def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
 
 
 def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device,
-                  augment: augmentation.Augment | None = None) -> tuple[DataLoader, DataLoader | None]:
+                  augment: augmentation.Augment | None = None,
+                  collate: Callable | None = None) -> tuple[DataLoader, DataLoader | None]:
     """The training loader yields global micro-batches; the evaluation loader `--eval-batch-size` per process
-    (None without an evaluation set)."""
+    (None without an evaluation set). With a user's `collate`, every sample goes through the DataLoader
+    and each process collates its own slice of the global batch (Accelerate splits the indices); the
+    evaluation loader hands over `Uncollated` samples (see there)."""
     per_epoch = steps_per_epoch(data, cfg)
     # Exactly `per_epoch` whole global batches per epoch (the first per_epoch x batch_size indices of
     # each epoch's permutation): no partial step and no partial accumulation on any topology.
     # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
     sampler = RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size)
     micro_batch = cfg.batch_size // cfg.grad_accum
-    train_set = _placed(augmented(data.raw, augment) if augment else data.train, cfg, device)
-    eval_set = _placed(data.eval, cfg, device) if data.eval is not None else None
+    placed = (lambda dataset: dataset) if collate else partial(_placed, cfg=cfg, device=device)
+    train_set = placed(augmented(data.raw, augment) if augment else data.train)
+    eval_set = placed(data.eval) if data.eval is not None else None
     workers = cfg.num_workers
     if workers is None:  # workers for the built-in datasets read per sample; a user's may not survive spawn
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -52,9 +59,9 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
     if isinstance(train_set, InMemory) and cfg.data_pipeline == "batched":  # whole batches at once
         batching = {"batch_sampler": IndexBatches(sampler, micro_batch), "collate_fn": InMemory.collate}
     else:
-        batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True}
+        batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True, "collate_fn": collate}
         if reads_files(train_set):
-            train_set, batching["collate_fn"] = Guarded(train_set), Guarded.collate
+            train_set, batching["collate_fn"] = Guarded(train_set), partial(Guarded.collate, collate=collate)
     # Each loader draws its workers' base seed from a generator of its own at every iteration, not from
     # the global RNG: a resumed run starts a new iteration mid-epoch, which would shift every random
     # number the model draws after it (dropout) against the uninterrupted run.
@@ -64,10 +71,13 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
         return train_loader, None
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
     guarded = reads_files(eval_set)
+    eval_collate = partial(Guarded.collate, collate=collate) if guarded else InMemory.collate if isinstance(
+        eval_set, InMemory) else collate
+    if collate:
+        eval_collate = partial(Uncollated.later, collate=eval_collate)
     eval_loader = DataLoader(Guarded(eval_set) if guarded else eval_set, batch_size=per_process * world,
                              shuffle=False, generator=torch.Generator().manual_seed(cfg.seed), **loading(eval_set),
-                             collate_fn=Guarded.collate if guarded else InMemory.collate if isinstance(eval_set, InMemory)
-                             else None)
+                             collate_fn=eval_collate)
     return train_loader, eval_loader
 
 

@@ -27,6 +27,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -35,18 +36,18 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (DistributedType, ProjectConfiguration, TorchDynamoPlugin, find_batch_size, gather_object,
-                              recursively_apply, set_seed)
+from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, TorchDynamoPlugin,
+                              find_batch_size, gather_object, recursively_apply, send_to_device, set_seed)
 from safetensors.torch import load_file
 
 from . import augment as augmentation
 from . import checkpoints, components, engines, processes, speedups
 from .checkpoints import BEST, Checkpoints, WRITE_ERRORS, write_failure
-from .components import Workload, first_samples
+from .components import Checked, Workload, first_samples
 from .config import ConfigError, TrainConfig, make_config
-from .data import reads_files, sample_name, steps_per_epoch
+from .data import Uncollated, reads_files, sample_name, steps_per_epoch
 from .loaders import build_loaders, dataloader_config, on_device
-from .losses import cross_entropy, forward
+from .losses import Loss, as_loss, cross_entropy, forward
 from .measure import device_peak_flops, flops_per_sample, library_versions, peak_memory_mb
 from .models import sync_batchnorm
 from .optim import build_optimizer, build_scheduler
@@ -67,38 +68,51 @@ def train(cfg: TrainConfig) -> dict:
     return run(cfg, components.build_workload(cfg))
 
 
-def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, config: TrainConfig | None = None,
-        **options) -> dict:
+def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
+        config: TrainConfig | None = None, **options) -> dict:
     """Train `model` (a plain nn.Module) on `train_data`, evaluating on `eval_data` after every epoch.
 
     Datasets are map-style and yield `(inputs, targets)` or dicts of tensors (the model is then
     called as `model(**batch)`, targets are `batch["labels"]`). `loss`: a function
     `loss(outputs, targets) -> scalar` or a built-in name; None uses the model's own loss when its
-    outputs carry one, else cross-entropy for integer targets and MSE for real ones. `metrics`: a dict
-    of name -> `metric(outputs, targets)` (one value per sample) or built-in names. `options` are
-    TrainConfig fields (`epochs=3, batch_size=256, ...`), applied over `config`. Every process of a
-    launch calls this with the same arguments; returns the run summary.
+    outputs carry one, else cross-entropy for integer targets and MSE for real ones; a loss may return
+    `(sum, count)` over items (tokens, boxes), normalised over the whole global batch (losses.py).
+    `metrics`: a dict of name -> `metric(outputs, targets)` (one value per sample) or built-in names.
+    `collate_fn(samples) -> batch` batches samples of different sizes; `forward(model, batch) ->
+    (outputs, targets)` replaces the default model call (or "with_targets"). `options` are TrainConfig
+    fields (`epochs=3, batch_size=256, ...`), applied over `config`. Every process of a launch calls
+    this with the same arguments; returns the run summary.
     """
-    cfg = fit_config(model, train_data, config, options)
-    return run(cfg, components.from_objects(model, train_data, eval_data, loss, metrics))
+    cfg = fit_config(model, train_data, config, options, collate_fn, forward)
+    return run(cfg, components.from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
+                                            forward or cfg.forward))
 
 
-def fit_config(model, train_data, config: TrainConfig | None, options: dict) -> TrainConfig:
-    """`config` with `options` over it, naming the model and data by their classes."""
+def fit_config(model, train_data, config: TrainConfig | None, options: dict, collate_fn=None,
+               forward=None) -> TrainConfig:
+    """`config` with `options` over it, naming the model and data by their classes (and the collate and
+    forward functions by their import paths, when they have one)."""
     values = config.to_dict() if config is not None else {}
     unknown = sorted(set(options) - set(TrainConfig.__dataclass_fields__))
     if unknown:
         raise ConfigError(f"fit: unknown option {unknown[0]!r} (options are TrainConfig fields, e.g. epochs, batch_size)")
     values.update(options)
     values["model"], values["dataset"] = components.qualified_name(model), components.qualified_name(train_data)
+    for name, fn in (("collate", collate_fn), ("forward", forward)):
+        if fn is not None:
+            values[name] = fn if isinstance(fn, str) else components.function_name(fn)
     return make_config(values)
 
 
-def batch_loss(model, batch, loss_fn: Callable) -> tuple[Any, Any, torch.Tensor]:
+def batch_loss(model, batch, loss_fn: Callable, forward_fn: Callable | None = None) -> tuple[Any, Any, Loss | None]:
     """How one batch becomes the model's outputs, the batch's targets and the loss: the one place, for
-    training and evaluation alike."""
-    outputs, targets = forward(model, batch)
-    return outputs, targets, loss_fn(outputs, targets)
+    training and evaluation alike. `forward_fn(model, batch) -> (outputs, targets)` is the user's
+    (fit(forward=), --forward), else losses.forward. The loss is a losses.Loss (`loss_fn` may return one
+    number or (sum, count) too), or None when the outputs carry none (a model that returns predictions
+    in evaluation)."""
+    outputs, targets = (forward_fn or forward)(model, batch)
+    loss = loss_fn(outputs, targets)
+    return outputs, targets, loss if loss is None or isinstance(loss, Loss) else as_loss(loss)
 
 
 # ----------------------------------------------------------------------------------------- the recipe
@@ -119,7 +133,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             since = time.perf_counter()
             if r.eval_loader is not None:
                 results = evaluate(r.accelerator, r.ema.module if r.ema else r.model, r.eval_loader, r.loss_fn,
-                                   r.metrics, cfg.channels_last, r.input_dtype, guarded=reads_files(r.job.data.eval))
+                                   r.metrics, cfg.channels_last, r.input_dtype, guarded=reads_files(r.job.data.eval),
+                                   forward_fn=r.job.forward)
                 keep_evaluation(r, results)
             if cfg.checkpoint_epochs or (r.checkpoint_steps and state.step % r.checkpoint_steps == 0):
                 save_checkpoint(r)
@@ -141,8 +156,12 @@ class Run:
     scheduler: Any
     train_loader: Any
     eval_loader: Any
-    loss_fn: Callable
+    loss_fn: Callable  # (outputs, targets) -> losses.Loss
     loss_name: str
+    items: bool  # the loss is a sum over items, divided by the count of the whole global batch
+    loss_per: str  # item, sample or position (components.Checked)
+    item_scale: float  # items of one process's micro-batch, about (see normalise_gradients)
+    unused: list[str]  # parameters the first samples left without a gradient
     metrics: dict
     augment: Any  # augment.Augment or None
     ema: Any  # torch.optim.swa_utils.AveragedModel of the trained weights, or None
@@ -182,12 +201,12 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     """Processes, the Accelerator, the pieces checked on one sample, `prepare`, the state (from a
     checkpoint when resuming), and only then the run folder: a failed start leaves nothing behind."""
     started = time.perf_counter()
-    accelerator, engine, out, resume, resumed = _accelerator(cfg, job)
-    model, loss_fn, loss_name, metrics, augment, flops, notes, shapes = _pieces(cfg, job, accelerator, engine, resume,
-                                                                                resumed)
+    accelerator, engine, out, resume, resumed, checked = _accelerator(cfg, job)
+    model, loss_fn, metrics, augment, flops, notes, shapes = _pieces(cfg, job, accelerator, engine, resume, resumed,
+                                                                     checked)
     optimizer, scheduler, per_epoch, total_steps = _optimizer(cfg, model, job)
     world = accelerator.num_processes
-    train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment)
+    train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate)
     input_dtype = engines.prepare_deepspeed(accelerator, cfg.batch_size // (world * cfg.grad_accum))
     # Batches of tensors already on the training device need no copy: Accelerate's send_to_device would
     # still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed and Megatron-LM refuse
@@ -216,7 +235,8 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     epochs = math.ceil(total_steps / per_epoch)
     r = Run(cfg=cfg, job=job, accelerator=accelerator, engine=engine, model=model, optimizer=optimizer,
             scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader, loss_fn=loss_fn,
-            loss_name=loss_name, metrics=metrics, augment=augment, ema=ema, averaged=averaged, input_dtype=input_dtype,
+            loss_name=checked.loss_name, items=checked.items, loss_per=checked.loss_per, item_scale=checked.item_scale, unused=checked.unused,
+            metrics=metrics, augment=augment, ema=ema, averaged=averaged, input_dtype=input_dtype,
             total_steps=total_steps, per_epoch=per_epoch, epochs=epochs, checkpoint_steps=cfg.checkpoint_steps,
             flops=flops, parameters=shapes, notes=notes, out=out, resume=resume, start_step=state.step, files=files,
             checkpoints=saver, progress=Progress(cfg.progress, accelerator.is_main_process, total_steps, epochs,
@@ -226,8 +246,9 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     return r
 
 
-def _accelerator(cfg: TrainConfig, job: Workload) -> tuple[Accelerator, str, Path, Path | None, dict | None]:
-    """The processes, the run's folder, the checkpoint to resume from (checked) and the Accelerator."""
+def _accelerator(cfg: TrainConfig, job: Workload) -> tuple:
+    """The processes, the run's folder, the checkpoint to resume from (checked), the first samples through
+    the model and the loss (components.check_fit), and the Accelerator."""
     speedups.apply()
     partial_state, engine, cpu, timeout = processes.start(cfg)
     processes.warn_if_one_process_was_meant(partial_state)
@@ -235,6 +256,15 @@ def _accelerator(cfg: TrainConfig, job: Workload) -> tuple[Accelerator, str, Pat
     out = output_dir(cfg, job.model_name, job.dataset_name)
     resume = checkpoints.find_resume(cfg, out)
     resumed = checkpoints.read_state(resume, cfg, partial_state.num_processes, engine) if resume else None
+    world = partial_state.num_processes
+    # Before the Accelerator: how DDP wraps the model depends on what the first samples show.
+    checked = components.check_fit(job, cfg.batch_size // (world * cfg.grad_accum))
+    if checked.items and engine == "DEEPSPEED":
+        raise ConfigError(f"the loss ({checked.loss_name}) is a sum over items, normalised over the global batch by "
+                          "scaling the gradients, which DeepSpeed keeps to itself; use DDP or FSDP, or a mean loss")
+    # DDP fails at the second step when a parameter gets no gradient, unless it looks for such parameters
+    # after every backward pass (a cost): asked for only when the first samples leave some unused.
+    ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and world > 1 else []
     if torch.cuda.is_available():  # TF32 tensor cores for float32 matmuls and convolutions (Ampere on)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     accelerator = Accelerator(
@@ -245,40 +275,52 @@ def _accelerator(cfg: TrainConfig, job: Workload) -> tuple[Accelerator, str, Pat
         log_with=_tracker(cfg.log_with),
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
         dataloader_config=dataloader_config(cfg),
-        kwargs_handlers=[timeout],
+        kwargs_handlers=[timeout, *ddp],
         deepspeed_plugin=engines.deepspeed_plugin(cfg) if engine == "DEEPSPEED" else None,
     )
     engines.set_up(accelerator, engine)  # FSDP on CPU processes; no engine silently replaced
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
-    return accelerator, engine, out, resume, resumed
+    return accelerator, engine, out, resume, resumed, checked
 
 
-def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: str, resume, resumed) -> tuple:
-    """The model as it will train, its loss, metrics and augmentation, each checked on one sample."""
+def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: str, resume, resumed,
+            checked: Checked) -> tuple:
+    """The model as it will train, its loss, metrics and augmentation (checked on the first samples)."""
     set_seed(cfg.seed)  # dropout and every other random number of the run start from --seed
-    model, data = job.model, job.data
+    model, data, metrics = job.model, job.data, checked.metrics
     processes.check_same_data(accelerator, data)
     if resumed:
         checkpoints.check_model(resume, resumed, model)
-    # One sample through the model, the loss and the metrics, before anything is written.
-    loss_fn, loss_name, metrics = components.check_fit(job)
-    _check_save_best(cfg, metrics, data)
-    augment = augmentation.from_config(cfg, data)  # None, or each sample's from (seed, epoch, index)
-    loss_fn = _cross_entropy_options(cfg, loss_fn, loss_name, augment)
+    _check_save_best(cfg, checked, data)
+    if job.collate and (cfg.augment not in ("auto", "none") or cfg.mixup or cfg.cutmix):
+        raise ConfigError("--augment, --mixup and --cutmix work on batches of images; with --collate, augment in the "
+                          "dataset or the collate function")
+    augment = augmentation.from_config(cfg, data) if not job.collate else None  # each sample's from (seed, epoch, index)
+    loss_fn = _cross_entropy_options(cfg, checked, augment)
     if cfg.ema and engine != "DDP":
         raise ConfigError(f"--ema needs the whole model on every process; with {engine} each holds a shard")
     shapes = checkpoints.parameter_shapes(model)  # as the user built it: what a checkpoint must match
     # Counted on the main process only, so before BatchNorm layers become collective (--sync-bn).
-    flops = flops_per_sample(model, first_samples(data.train, 1)) if accelerator.is_main_process else 0
+    flops = flops_per_sample(model, first_samples(data.train, 1, job.collate), job.forward) \
+        if accelerator.is_main_process else 0
     # Compared (and made equal, with a note) before `prepare`, whose DDP wrapper would silently copy
     # rank 0's weights over a seeding mistake.
     notes = processes.same_initial_weights(accelerator, model)
+    if checked.unused:
+        shown = ", ".join(checked.unused[:5]) + (f" and {len(checked.unused) - 5} more" if len(checked.unused) > 5 else "")
+        notes.append(f"the forward never uses {shown} (no gradient from the first samples)" +
+                     ("; DDP looks for unused parameters after every backward pass (find_unused_parameters)"
+                      if accelerator.num_processes > 1 and engine == "DDP" else ""))
+    if checked.loss_per == "position":
+        notes.append(f"the loss {checked.loss_name} is a mean over each micro-batch's positions (tokens, pixels): where "
+                     "their number varies (padding, labels of -100), micro-batches weigh unequally and training depends "
+                     "on the number of processes and --grad-accum; return (sum, count) to count every position once")
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return model, loss_fn, loss_name, metrics, augment, flops, notes, shapes
+    return model, loss_fn, metrics, augment, flops, notes, shapes
 
 
 def _optimizer(cfg: TrainConfig, model, job: Workload) -> tuple:
@@ -321,6 +363,7 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
     """The optimizer steps of epoch `r.epoch` (what is left of it, when resuming mid-epoch)."""
     cfg, accelerator, model, state, clock = r.cfg, r.accelerator, r.model, r.state, r.clock
     guarded, channels_last, input_dtype, loss_fn = reads_files(r.job.data.train), cfg.channels_last, r.input_dtype, r.loss_fn
+    forward_fn, items = r.job.forward, r.items
     model.train()
     r.progress.new_epoch(r.epoch, done=state.step - r.epoch * r.per_epoch)
     # The epoch seeds the shuffle; a resumed epoch skips the micro-batches it has already seen.
@@ -337,8 +380,11 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
             state.unreadable_now += [i for i in indices if i >= 0]  # plain ints: no device sync
         batch = model_inputs(batch, channels_last, input_dtype)
         with accelerator.accumulate(model):
-            _, _, loss = batch_loss(model, batch, loss_fn)
-            accelerator.backward(loss)
+            _, _, loss = batch_loss(model, batch, loss_fn, forward_fn)
+            if loss is None:
+                raise ValueError("the model returned no loss in training (its outputs carry none)")
+            # A sum over items is scaled to about a mean's size here; normalise_gradients divides by the count.
+            accelerator.backward(loss.value / r.item_scale if items else loss.value)
             state.losses.add(loss)  # on the device; read back only at log steps and checkpoints
             if accelerator.sync_gradients:
                 optimizer_step(r, guarded)
@@ -373,6 +419,8 @@ def optimizer_step(r: Run, guarded: bool) -> None:
     elif cfg.skip_nonfinite and state.losses.last_step_nonfinite(accelerator):
         state.skipped_steps += 1  # no update from this step's gradients
     else:
+        if r.items:
+            normalise_gradients(r)
         if cfg.max_grad_norm:
             accelerator.clip_grad_norm_(r.model.parameters(), cfg.max_grad_norm)
         r.optimizer.step()
@@ -383,18 +431,36 @@ def optimizer_step(r: Run, guarded: bool) -> None:
         state.loss_scale_skipped_steps += accelerator.optimizer_step_was_skipped
 
 
+def normalise_gradients(r: Run) -> None:
+    """For a loss summed over items (tokens, boxes): the gradient of the sum over the whole global batch
+    divided by its number of items, whatever the processes and micro-batches it was split into.
+
+    Each micro-batch's backward took sum / item_scale, Accelerate divided it by grad_accum, and DDP
+    averaged over the processes; so the gradients are multiplied by item_scale x processes x grad_accum
+    / (the items of every process's micro-batches of this step): one all-reduce of one number, and no
+    host sync (the factor stays on the device)."""
+    accelerator = r.accelerator
+    items = r.state.losses.step_items().to(torch.float32)
+    total = accelerator.reduce(items, "sum") if r.world > 1 else items
+    factor = r.item_scale * r.world * r.cfg.grad_accum / total.clamp(min=1)
+    grads = [p.grad for p in r.model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor.to(grads[0].device))
+
+
 def log_interval(r: Run) -> None:
-    """Every rank's mean loss over the interval, gathered (the logged loss is their mean), with speed."""
+    """The loss over the interval on every process (a mean over micro-batches, or over every item), with speed."""
     cfg, state = r.cfg, r.state
-    per_rank, bad = state.losses.read(r.accelerator)
-    if bad is not None and not cfg.skip_nonfinite:
-        raise TrainingStopped(_nonfinite_message(bad, r.checkpoints.last), code=1)
+    interval = state.losses.read(r.accelerator)
+    if interval.bad is not None and not cfg.skip_nonfinite:
+        raise TrainingStopped(_nonfinite_message(interval.bad, r.checkpoints.last), code=1)
     elapsed, steps, waited = r.clock.interval(state.step)
     record = {
         "step": state.step,
         "epoch": r.epoch + 1,
-        "loss": sum(per_rank) / len(per_rank),
-        "loss_per_rank": per_rank,
+        "loss": interval.loss,
+        **interval.parts,  # a model's named losses (loss_classifier, loss_box_reg, ...)
+        "loss_per_rank": interval.per_rank,
         "lr": r.scheduler.get_last_lr()[0],
         "samples_per_s": steps * cfg.batch_size / elapsed,
         "step_time_s": elapsed / steps,
@@ -403,8 +469,8 @@ def log_interval(r: Run) -> None:
     }
     r.files.log(record)
     if cfg.log_with:
-        r.accelerator.log({"train/loss": record["loss"], "train/lr": record["lr"],
-                           "train/samples_per_s": record["samples_per_s"]}, step=state.step)
+        r.accelerator.log({"train/loss": record["loss"], **{f"train/{k}": v for k, v in interval.parts.items()},
+                           "train/lr": record["lr"], "train/samples_per_s": record["samples_per_s"]}, step=state.step)
     r.progress.log(state.step, r.epoch, record["loss"], record["lr"], record["samples_per_s"])
     state.losses.restart(state.step)
     r.clock.restart()
@@ -412,7 +478,7 @@ def log_interval(r: Run) -> None:
 
 def save_checkpoint(r: Run, name: str | None = None) -> None:
     """Everything needed to continue: `save_state`'s files and the run's state (all processes call this)."""
-    _, bad = r.state.losses.read(r.accelerator)
+    bad = r.state.losses.read(r.accelerator).bad
     if bad is not None and not r.cfg.skip_nonfinite:  # never checkpoint weights a NaN/inf has reached
         raise TrainingStopped(_nonfinite_message(bad, r.checkpoints.last), code=1)
     saved = {**r.state.saved(r.accelerator), "world_size": r.world, "engine": r.engine,
@@ -452,39 +518,56 @@ def _checkpoint_this_step(r: Run) -> None:
 
 
 def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, channels_last: bool = False,
-             input_dtype: torch.dtype | None = None, guarded: bool = False) -> dict:
+             input_dtype: torch.dtype | None = None, guarded: bool = False, forward_fn: Callable | None = None) -> dict:
     """The loss and every metric over the whole evaluation set, each sample counted once whatever the
     number of processes, and nothing but running sums kept (never the whole set's outputs).
 
     Accelerate pads the last batch so that every process gets as many samples; `gather_for_metrics`
     drops that padding, so gathering each process's own index through it says how many of its samples
     are real. Only those are passed through the model (every process still makes one call, as FSDP
-    needs), and each batch's loss and per-sample metrics are weighted by that count. With `guarded`
-    batches (data.Guarded), the indices of samples that could not be read come back as `unreadable`.
+    needs), and each batch's loss and per-sample metrics are weighted by that count; a loss summed over
+    items (tokens) is divided by the items of the whole set. A loss the outputs do not carry (a model
+    that returns predictions in evaluation) is left out of the results. With `guarded` batches
+    (data.Guarded), the indices of samples that could not be read come back as `unreadable`.
     """
     model.eval()
-    totals = torch.zeros(len(metrics) + 2, dtype=torch.float64, device=accelerator.device)  # loss, metrics, count
-    unreadable = []
+    # loss total, loss count (items or samples), each metric's total, samples
+    totals = torch.zeros(len(metrics) + 3, dtype=torch.float64, device=accelerator.device)
+    unreadable, has_loss = [], True
     with torch.no_grad():
         for batch in loader:
+            if isinstance(batch, Uncollated):  # a user's collate function: collated once the real samples are known
+                size = len(batch)
+                real = _real_samples(accelerator, size)
+                batch = send_to_device(batch.first(max(real, 1)), accelerator.device, non_blocking=True)
+                if guarded:
+                    batch, indices = batch
+            else:
+                if guarded:
+                    batch, indices = batch
+                size = find_batch_size(batch)
+                real = _real_samples(accelerator, size)
+                if real < size:
+                    batch = recursively_apply(lambda t: t[: max(real, 1)], batch)
             if guarded:
-                batch, indices = batch
-                unreadable += [i for i in indices if i >= 0]
+                unreadable += [i for i in indices[:real] if i >= 0]
             batch = model_inputs(batch, channels_last, input_dtype)
-            size = find_batch_size(batch)
-            real = _real_samples(accelerator, size)
-            if real < size:
-                batch = recursively_apply(lambda t: t[: max(real, 1)], batch)
-            outputs, targets, loss = batch_loss(model, batch, loss_fn)
+            outputs, targets, loss = batch_loss(model, batch, loss_fn, forward_fn)
+            has_loss = has_loss and loss is not None  # the same on every process: each calls the model
             if real == 0:
                 continue
-            values = [loss, *(metric(outputs, targets) for metric in metrics.values())]
-            totals += torch.stack([_sample_sum(v, real) for v in values] + [totals.new_tensor(real)])
+            loss_total = [totals.new_zeros(()), totals.new_zeros(())]
+            if has_loss:
+                loss_total = [loss.value.detach().double(), loss.items.double()] if loss.items is not None else [
+                    _sample_sum(loss.value, real), totals.new_tensor(real)]
+            values = [_sample_sum(metric(outputs, targets), real) for metric in metrics.values()]
+            totals += torch.stack([*loss_total, *values, totals.new_tensor(real)])
     model.train()
     totals = accelerator.reduce(totals, "sum").tolist()
     count = int(totals[-1])
-    results = {"loss": totals[0] / count, **{name: total / count for name, total in zip(metrics, totals[1:-1])},
-               "samples": count}
+    results = {"loss": totals[0] / max(totals[1], 1)} if has_loss else {}
+    results.update({name: total / count for name, total in zip(metrics, totals[2:-1])})
+    results["samples"] = count
     if guarded:
         results["unreadable_indices"] = _unreadable_everywhere(accelerator, unreadable)
         results["unreadable"] = bool(results["unreadable_indices"])
@@ -532,7 +615,8 @@ def _sample_sum(value: torch.Tensor, samples: int) -> torch.Tensor:
 
 def model_inputs(batch, channels_last: bool, dtype: torch.dtype | None):
     """A batch as the model takes it: NHWC images for --channels-last, floating inputs in the weights'
-    dtype under DeepSpeed. Targets (the pair's second item, a dict's labels) stay as they are."""
+    dtype under DeepSpeed. Targets (the pair's second item, a dict's labels) stay as they are; a batch of
+    another shape (a user's forward function) is converted throughout."""
     if not channels_last and dtype is None:
         return batch
 
@@ -541,10 +625,12 @@ def model_inputs(batch, channels_last: bool, dtype: torch.dtype | None):
             t = t.contiguous(memory_format=torch.channels_last)
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {k: v if k == "labels" else recursively_apply(convert, v) for k, v in batch.items()}
-    inputs, targets = batch
-    return [recursively_apply(convert, inputs), targets]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, targets = batch
+        return [recursively_apply(convert, inputs), targets]
+    return recursively_apply(convert, batch)
 
 
 # ----------------------------------------------------------------------------------------- finish
@@ -600,6 +686,8 @@ def run_summary(r: Run, ranks_agree: bool) -> dict:
         "model": r.job.model_name,
         "dataset": r.job.dataset_name,
         "loss_function": r.loss_name,
+        "loss_per": r.loss_per,  # item: summed over items, divided by the global batch's count
+        "unused_parameters": r.unused,
         "metrics": list(r.metrics),
         "augment": _describe_augment(r.augment, cfg),
         "weights": f"ema (decay {cfg.ema})" if r.ema else "trained",
@@ -641,13 +729,15 @@ def run_summary(r: Run, ranks_agree: bool) -> dict:
 # ----------------------------------------------------------------------------------------- small helpers
 
 
-def _cross_entropy_options(cfg: TrainConfig, loss_fn, loss_name: str, augment) -> Callable:
+def _cross_entropy_options(cfg: TrainConfig, checked: Checked, augment) -> Callable:
     """--label-smoothing, and the class probabilities of mixup and cutmix, are cross-entropy's."""
     if not (cfg.label_smoothing or (augment and augment.mixes)):
-        return loss_fn
-    if loss_fn is not cross_entropy:
-        raise ConfigError(f"--label-smoothing, --mixup and --cutmix apply to the cross_entropy loss; this run uses {loss_name}")
-    return partial(cross_entropy, label_smoothing=cfg.label_smoothing) if cfg.label_smoothing else loss_fn
+        return checked.loss
+    if checked.fn is not cross_entropy:
+        raise ConfigError(f"--label-smoothing, --mixup and --cutmix apply to the cross_entropy loss; this run uses "
+                          f"{checked.loss_name}")
+    return components.user_loss(partial(cross_entropy, label_smoothing=cfg.label_smoothing)) if cfg.label_smoothing \
+        else checked.loss
 
 
 def _describe_augment(augment, cfg: TrainConfig) -> str:
@@ -686,13 +776,15 @@ def _improves(metric: str, metrics: dict, best: dict | None) -> bool:
     return metrics[metric] < best["value"] if lower else metrics[metric] > best["value"]
 
 
-def _check_save_best(cfg: TrainConfig, metrics: dict, data) -> None:
+def _check_save_best(cfg: TrainConfig, checked: Checked, data) -> None:
     if cfg.save_best is None:
         return
     if data.eval is None:
         raise ConfigError("--save-best needs an evaluation set")
-    if cfg.save_best != "loss" and cfg.save_best not in metrics:
-        raise ConfigError(f"--save-best {cfg.save_best}: the run evaluates {', '.join(['loss', *metrics])}")
+    evaluated = ["loss"] * checked.eval_loss + list(checked.metrics)
+    if cfg.save_best not in evaluated:
+        raise ConfigError(f"--save-best {cfg.save_best}: the run evaluates {', '.join(evaluated) or 'nothing'}"
+                          + ("" if checked.eval_loss else " (the model returns no loss in evaluation)"))
 
 
 @contextmanager
@@ -718,7 +810,7 @@ def _nonfinite_message(step: int, last: Path | None) -> str:
 
 
 def _format_eval(metrics: dict) -> str:
-    parts = [f"eval loss {metrics['loss']:.4f}"]
+    parts = [f"eval loss {metrics['loss']:.4f}"] if "loss" in metrics else ["eval"]
     parts += [format_metric(name, value) for name, value in metrics.items()
               if name not in ("loss", "samples", "step", "epoch")]
     return ", ".join(parts) + f" on {metrics['samples']} samples"

@@ -1,12 +1,22 @@
 """How a batch becomes outputs and a loss: the model call, the predictions in its outputs, built-in losses.
 
-Batches: a pair `(inputs, targets)` calls `model(inputs)` (`model(*inputs)` when inputs is a tuple
-or list); a dict calls `model(**batch)`, and its targets are `batch["labels"]` (so a Hugging Face
-model given labels computes its own loss).
+Forward: `forward(model, batch) -> (outputs, targets)`. The default: a pair `(inputs, targets)` calls
+`model(inputs)` (`model(*inputs)` when inputs is a tuple or list); a dict calls `model(**batch)`, and
+its targets are `batch["labels"]` (so a Hugging Face model given labels computes its own loss).
+`with_targets` is torchvision's detection convention: `model(inputs, targets)` while training,
+`model(inputs)` in evaluation. A user's own function replaces them (`fit(forward=)`, `--forward`).
 
-Losses are `loss(outputs, targets) -> scalar`. Built-in losses (and metrics.py's metrics) read the
-model's predictions from its outputs: the tensor itself, `outputs["logits"]` (or `.logits`), or the
-first element of a tuple.
+Losses are `loss(outputs, targets)` returning either
+- one number (a 0-dim tensor): the mean over the batch's samples, or
+- a pair `(sum, count)`: the sum of the losses of the batch's items (tokens, boxes, pixels) and how
+  many items there are. The loop then divides by the items of the whole global batch, over every
+  process and accumulation micro-batch, so a token counts the same wherever it lands.
+With no loss given, the model's own is used: `outputs.loss` (counted per token when it is a
+cross-entropy over labels with -100 ignored, see `own_items`), or the sum of a dict of named losses
+(torchvision's detection models in training), each logged by name.
+
+Built-in losses (and metrics.py's metrics) read the model's predictions from its outputs: the tensor
+itself, `outputs["logits"]` (or `.logits`), or the first element of a tuple.
 """
 
 from __future__ import annotations
@@ -14,8 +24,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # targets torch's cross-entropy (and Hugging Face models) leave out
 
 
 def forward(model, batch) -> tuple[Any, Any]:
@@ -28,18 +42,102 @@ def forward(model, batch) -> tuple[Any, Any]:
     return model(inputs), targets
 
 
+def with_targets(model, batch) -> tuple[Any, Any]:
+    """torchvision's detection models: `model(images, targets)` while training returns a dict of
+    losses, `model(images)` in evaluation returns the predictions (a list of dicts)."""
+    inputs, targets = batch
+    return (model(inputs, targets) if model.training else model(inputs)), targets
+
+
+FORWARDS: dict[str, Callable] = {"default": forward, "with_targets": with_targets}
+
+
+@dataclass
+class Loss:
+    """One micro-batch's loss as the loop uses it."""
+
+    value: torch.Tensor  # what backward takes: a mean over the samples, or a sum over `items` items
+    items: torch.Tensor | None = None  # how many items `value` sums over; None: a mean over the samples
+    parts: dict[str, torch.Tensor] | None = None  # a model's named losses, whose sum `value` is
+
+
+class NotALoss(ValueError):
+    """A loss function returned something else than one number or (sum, count)."""
+
+    def __init__(self, value):
+        super().__init__(f"a loss must return one number (a 0-dim tensor) or a pair (sum, count), not {_shape(value)}")
+        self.value = value
+
+
+def as_loss(value) -> Loss:
+    """A loss function's result: one number, or `(sum, count)`."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return Loss(value)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], torch.Tensor) \
+            and value[0].dim() == 0:
+        return Loss(value[0], torch.as_tensor(value[1], device=value[0].device).reshape(()))
+    raise NotALoss(value)
+
+
 def own_loss(outputs) -> torch.Tensor | None:
     """The loss a model computed itself (a dict or output object with `loss`), or None."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def model_loss(outputs, targets) -> torch.Tensor:
-    """The loss used when the model returns its own (`loss=None` and outputs that carry one)."""
+def loss_parts(outputs) -> dict[str, torch.Tensor] | None:
+    """A dict of named losses (torchvision's detection models in training: every key names a loss), or None.
+    An entry that is not one number is an error."""
+    if not (isinstance(outputs, Mapping) and outputs and "loss" not in outputs
+            and all(isinstance(k, str) and "loss" in k for k in outputs)):
+        return None
+    for name, value in outputs.items():
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+            raise ValueError(f"the model's loss {name!r} is {_shape(value)}; each loss in its dict must be one number")
+    return dict(outputs)
+
+
+def model_loss(outputs, targets, items: Callable | None = None) -> Loss | None:
+    """The model's own loss (`loss=None`): `outputs.loss`, a sum over tokens when `items` counts them
+    (see own_items), or the sum of a dict of named losses. None when the outputs carry no loss (a
+    model returning predictions in evaluation)."""
     loss = own_loss(outputs)
-    if loss is None:
-        raise ValueError("the model's outputs carry no 'loss' (give a loss function)")
-    return loss
+    if loss is not None:
+        if items is None:
+            return Loss(loss)
+        count = items(targets)
+        return Loss(loss * count, count)
+    parts = loss_parts(outputs)
+    return Loss(sum(parts.values()), None, parts) if parts else None
+
+
+def count_tokens(targets: torch.Tensor) -> torch.Tensor:
+    return (targets != IGNORE_INDEX).sum()
+
+
+def count_next_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """A causal language model's: the labels are shifted inside it, so the first position predicts nothing."""
+    return (targets[..., 1:] != IGNORE_INDEX).sum()
+
+
+def own_items(outputs, targets, loss: torch.Tensor) -> Callable | None:
+    """How the model's own loss counts its items, read off one batch: a cross-entropy over every target
+    token (count_tokens), over the next tokens (count_next_tokens: Hugging Face's causal language
+    models), or None (a mean over the samples, or a loss that is not such a cross-entropy)."""
+    if not (isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() >= 2):
+        return None
+    try:
+        logits = predictions(outputs).detach().float()
+    except ValueError:
+        return None
+    if logits.shape[:-1] != targets.shape:
+        return None
+    candidates = ((count_tokens, logits, targets), (count_next_tokens, logits[..., :-1, :], targets[..., 1:]))
+    for count, scores, labels in candidates:
+        mean = F.cross_entropy(scores.reshape(-1, scores.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+        if torch.isclose(mean, loss.detach().float(), rtol=1e-4, atol=1e-6):
+            return count
+    return None
 
 
 def predictions(outputs) -> torch.Tensor:
@@ -64,9 +162,15 @@ def class_scores(outputs, targets: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def cross_entropy(outputs, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Targets are class indices, or class probabilities [B, C] (mixup, cutmix)."""
-    return F.cross_entropy(class_scores(outputs, targets), targets, label_smoothing=label_smoothing)
+def cross_entropy(outputs, targets: torch.Tensor, label_smoothing: float = 0.0):
+    """Targets are class indices, or class probabilities [B, C] (mixup, cutmix). Per sample [B]: the
+    mean over the samples; per position ([B, T] tokens, [B, H, W] pixels, -100 ignored): a sum over
+    the positions and their count, normalised over the whole global batch."""
+    scores = class_scores(outputs, targets)
+    if targets.dim() >= 2 and not targets.is_floating_point():
+        return (F.cross_entropy(scores, targets, label_smoothing=label_smoothing, reduction="sum"),
+                count_tokens(targets))
+    return F.cross_entropy(scores, targets, label_smoothing=label_smoothing)
 
 
 def values_like(outputs, targets: torch.Tensor) -> torch.Tensor:
@@ -103,3 +207,9 @@ LOSSES: dict[str, Callable] = {
     "smooth_l1": smooth_l1,
     "bce_with_logits": bce_with_logits,
 }
+
+
+def _shape(obj) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of shape {list(obj.shape)}"
+    return f"a {type(obj).__name__}"

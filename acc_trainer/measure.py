@@ -33,14 +33,14 @@ def library_versions() -> dict:
     return versions
 
 
-def flops_per_sample(model: torch.nn.Module, batch) -> int:
+def flops_per_sample(model: torch.nn.Module, batch, forward_fn=None) -> int:
     """Training FLOPs of one sample (forward + backward) in matrix multiplies and convolutions; `batch`
     holds one sample, as the loader collates it.
 
     The same count torch.utils.flop_counter.FlopCounterMode gives (a test checks it on every model),
     from one forward pass of hooks on Linear and Conv layers: FlopCounterMode's first use costs a
     second of start-up. Per layer: forward F, weight gradient F, input gradient F unless the input
-    needs none (the first layer)."""
+    needs none (the first layer). `forward_fn(model, batch)`: the run's own, else losses.forward."""
     from .losses import forward
 
     total = 0
@@ -63,7 +63,7 @@ def flops_per_sample(model: torch.nn.Module, batch) -> int:
         model.eval()  # BatchNorm statistics stay untouched; the FLOPs are the same
         # Only the main process counts: the random numbers a model may draw must stay in step.
         with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            forward(model, batch)
+            (forward_fn or forward)(model, batch)
     finally:
         for hook in hooks:
             hook.remove()

@@ -30,7 +30,7 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
             continue
         if "loss" in record:
             train.append(record)
-        elif "eval_loss" in record:
+        elif "eval_samples" in record:
             evals.append(record)
     return train, evals
 
@@ -69,7 +69,7 @@ def plot_run(run: Path) -> list[Path]:
             losses = [r["loss"] for r in train]
             ax.plot(steps, losses, color="tab:blue", alpha=0.35, lw=1, label="training loss (each log step)")
             ax.plot(steps, smooth(losses), color="tab:blue", lw=2, label="training loss (smoothed)")
-            if evals:
+            if evals and "eval_loss" in evals[0]:
                 ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", color="tab:orange",
                         lw=1.5, label="evaluation loss")
             ax.set(title=f"Loss: {title}", xlabel="optimizer step", ylabel="loss (mean over all processes)")
@@ -101,9 +101,9 @@ def plot_run(run: Path) -> list[Path]:
                       ylim=(0, 100))
             fig.suptitle(title, fontsize=10)
             written.append(save_figure(fig, folder / "time_split.png", rect=(0, 0.07, 1, 1)))
-        if evals:  # one panel per evaluated quantity: the loss, then each metric by name
-            names = [k for k in evals[0] if k.startswith("eval_") and k != "eval_samples"]
-            names = ["eval_loss", *[k for k in names if k != "eval_loss"]]
+        names = [k for k in (evals[0] if evals else {}) if k.startswith("eval_") and k != "eval_samples"]
+        names = ["eval_loss"] * ("eval_loss" in names) + [k for k in names if k != "eval_loss"]
+        if names:  # one panel per evaluated quantity: the loss, then each metric by name
             fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names) + 1, 3.8), squeeze=False)
             eval_steps = [r["step"] for r in evals]
             colors = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]

@@ -74,12 +74,13 @@ class Progress:
 
 
 def best_evaluation(evals: list[dict]) -> dict | None:
-    """The evaluation with the highest accuracy (the lowest loss for regression), or None."""
+    """The evaluation with the highest accuracy (the lowest loss for regression; the last one when there is
+    neither), or None."""
     if not evals:
         return None
     if "accuracy" in evals[0]:
         return max(evals, key=lambda e: e["accuracy"])
-    return min(evals, key=lambda e: e["loss"])
+    return min(evals, key=lambda e: e["loss"]) if "loss" in evals[0] else evals[-1]
 
 
 PERCENT_METRICS = ("accuracy", "top5")
@@ -97,10 +98,12 @@ def summary_table(summary: dict, plots: list) -> Table:
     final = summary["eval"]
     rows = [("run", f"{summary['model']} on {summary['dataset']}, {summary['steps']} steps, {summary['epochs']} epoch(s)")]
     if final:
-        results = [format_metric(k, v) for k, v in final.items() if k != "loss"] + [f"loss {final['loss']:.4f}"]
+        results = [format_metric(k, v) for k, v in final.items() if k != "loss"]
+        results += [f"loss {final['loss']:.4f}"] if "loss" in final else []
         rows.append(("final evaluation", ", ".join(results) + f" on {summary['eval_samples']} samples"))
         best = best_evaluation(summary["evals"])
-        value = format_metric("accuracy", best["accuracy"]) if "accuracy" in best else f"loss {best['loss']:.4f}"
+        value = format_metric("accuracy", best["accuracy"]) if "accuracy" in best else f"loss {best['loss']:.4f}" \
+            if "loss" in best else "the last one"
         rows.append(("best evaluation", f"{value} at step {best['step']}"))
     else:
         rows.append(("evaluation", "none (no evaluation set)"))

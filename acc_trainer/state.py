@@ -16,39 +16,76 @@ import torch
 from accelerate import Accelerator
 
 
+@dataclass
+class Interval:
+    """What `IntervalLosses.read` gives: the loss over the interval (over every process: a mean of the
+    micro-batch means, or the sum over every item divided by their count), each process's, the named
+    parts of a model's loss dict, and the first step whose loss was NaN/inf (or None)."""
+
+    loss: float
+    per_rank: list[float]
+    parts: dict[str, float]
+    bad: int | None
+
+
 class IntervalLosses:
     """The micro-batch losses of the current log interval, kept on the device.
 
     No host sync per step (each loss is only detached and kept): read at log steps and checkpoints,
-    with one copy to the host, it gives each process's mean loss over the interval, and the first step
-    whose loss was NaN or inf (from where the interval began).
+    with one copy to the host. A micro-batch's loss is a mean over its samples, or a sum over its items
+    with their count (losses.Loss), and may come with named parts (a model's loss dict).
     """
 
     def __init__(self, grad_accum: int, device: torch.device):
         self.grad_accum, self.device, self.first_step = grad_accum, device, 1
         self.values: list[torch.Tensor] = []
+        self.items: list[torch.Tensor] = []  # each micro-batch's item count, for losses summed over items
+        self.parts: list[torch.Tensor] = []  # each micro-batch's named losses, stacked
+        self.part_names: list[str] = []
 
-    def add(self, loss: torch.Tensor) -> None:
-        self.values.append(loss.detach())
+    def add(self, loss) -> None:
+        self.values.append(loss.value.detach())
+        if loss.items is not None:
+            self.items.append(loss.items)
+        if loss.parts:
+            self.parts.append(torch.stack([v.detach() for v in loss.parts.values()]))
+            self.part_names = list(loss.parts)
+
+    def step_items(self) -> torch.Tensor:
+        """The items of the step just made, on this process (a device tensor: no sync)."""
+        return torch.stack(self.items[-self.grad_accum:]).sum()
 
     def restart(self, step: int) -> None:
         """A new interval, whose first step is step + 1."""
-        self.values, self.first_step = [], step + 1
+        self.values, self.items, self.parts, self.first_step = [], [], [], step + 1
 
-    def _local(self) -> list[float]:
-        return torch.stack(self.values).float().tolist() if self.values else []
+    def _rows(self) -> list[list[float]]:
+        """One row per micro-batch: [loss, items (1 for a mean), *parts], on the host."""
+        if not self.values:
+            return []
+        columns = [torch.stack(self.values).double()]
+        columns.append(torch.stack(self.items).double() if self.items else torch.ones_like(columns[0]))
+        if self.parts:
+            columns.append(torch.stack(self.parts).double().T)
+        return torch.cat([c.reshape(-1, len(self.values)) for c in columns]).T.tolist()
 
-    def read(self, accelerator: Accelerator) -> tuple[list[float], int | None]:
-        """Every process's mean loss over the interval's finite losses, and the first step with a NaN/inf
-        loss on any process, or None (one gather of two numbers per process; none on one process)."""
-        local = self._local()
-        finite = [v for v in local if math.isfinite(v)]
-        first_bad = next((i for i, v in enumerate(local) if not math.isfinite(v)), -1)
-        row = [sum(finite) / max(len(finite), 1), first_bad]
-        rows = [row] if accelerator.num_processes == 1 else accelerator.gather(
-            torch.tensor([row], dtype=torch.float64, device=self.device)).tolist()
-        bad = [int(b) for _, b in rows if b >= 0]
-        return [m for m, _ in rows], (self.first_step + min(bad) // self.grad_accum if bad else None)
+    def read(self, accelerator: Accelerator) -> Interval:
+        """The interval's loss over its finite micro-batches, and the first step with a NaN/inf loss on any
+        process (one gather of a few numbers per process; none on one process)."""
+        rows = self._rows()
+        finite = [row for row in rows if all(math.isfinite(v) for v in row)]
+        first_bad = next((i for i, row in enumerate(rows) if not math.isfinite(row[0])), -1)
+        width = 2 + len(self.part_names)
+        totals = [sum(row[i] for row in finite) for i in range(width)] if finite else [0.0] * width
+        mine = [*totals, first_bad]
+        ranks = [mine] if accelerator.num_processes == 1 else accelerator.gather(
+            torch.tensor([mine], dtype=torch.float64, device=self.device)).tolist()
+        # Each rank's loss total and count (its items, or its micro-batches for means): every item counts once.
+        count = sum(r[1] for r in ranks) or 1.0
+        parts = {name: sum(r[2 + i] for r in ranks) / count for i, name in enumerate(self.part_names)}
+        bad = [int(r[-1]) for r in ranks if r[-1] >= 0]
+        return Interval(sum(r[0] for r in ranks) / count, [r[0] / r[1] if r[1] else 0.0 for r in ranks], parts,
+                        self.first_step + min(bad) // self.grad_accum if bad else None)
 
     def last_step_nonfinite(self, accelerator: Accelerator) -> bool:
         """Whether the step just made had a NaN/inf loss on any process (a host sync: --skip-nonfinite only)."""
@@ -57,17 +94,30 @@ class IntervalLosses:
 
     def state(self, accelerator: Accelerator) -> dict:
         """For a checkpoint: every process's losses so far in the interval (all processes call this; every
-        process has made as many micro-batches)."""
+        process has made as many micro-batches). Rows of [loss, items, *parts] when there are items or
+        parts, else the losses alone (the format of checkpoints from before items and parts)."""
+        plain = not self.items and not self.parts
         if not self.values:
-            return {"first_step": self.first_step, "count": 0, "values": [[]] * accelerator.num_processes}
-        local = torch.tensor(self._local(), dtype=torch.float32, device=self.device)
-        return {"first_step": self.first_step, "count": len(self.values),
-                "values": accelerator.gather(local[None]).tolist()}
+            return {"first_step": self.first_step, "count": 0, "values": [[]] * accelerator.num_processes,
+                    "part_names": self.part_names, "items": bool(self.items)}
+        rows = torch.tensor(self._rows(), dtype=torch.float64, device=self.device)
+        local = rows[:, 0].float() if plain else rows
+        return {"first_step": self.first_step, "count": len(self.values), "values": accelerator.gather(local[None]).tolist(),
+                "part_names": self.part_names, "items": bool(self.items)}
 
     def load(self, state: dict, process_index: int) -> None:
         self.first_step = state["first_step"]
         mine = state["values"][process_index][: state["count"]]
-        self.values = [torch.tensor(v, dtype=torch.float32, device=self.device) for v in mine]
+        self.part_names = state.get("part_names", [])
+        if mine and isinstance(mine[0], list):  # rows of [loss, items, *parts]
+            self.values = [torch.tensor(row[0], dtype=torch.float32, device=self.device) for row in mine]
+            self.items = [torch.tensor(row[1], dtype=torch.float64, device=self.device) for row in mine] \
+                if state.get("items") else []
+            self.parts = [torch.tensor(row[2:], dtype=torch.float32, device=self.device) for row in mine] \
+                if self.part_names else []
+        else:
+            self.values = [torch.tensor(v, dtype=torch.float32, device=self.device) for v in mine]
+            self.items, self.parts = [], []
 
 
 @dataclass

@@ -106,9 +106,10 @@ def test_a_bug_in_the_users_model_keeps_its_traceback_with_the_step(fit, project
     from my_data import load
     from my_model import Buggy
 
+    # The bug is in the third training-mode call: the first-sample check's, step 1's, step 2's.
     with pytest.raises(ZeroDivisionError) as caught:
         fit(Buggy(4), *load(), batch_size=64, output_dir=str(project / "run"))
-    assert "acc_trainer: raised in epoch 1, after optimizer step 2, process 0 of 1" in caught.value.__notes__
+    assert "acc_trainer: raised in epoch 1, after optimizer step 1, process 0 of 1" in caught.value.__notes__
 
 
 def test_a_transformers_model_with_its_own_loss_on_dict_batches(tmp_path, monkeypatch):
@@ -173,7 +174,8 @@ def test_a_users_script_on_one_and_two_processes_every_way_it_is_launched(projec
 
 
 def test_a_model_with_dropout_resumed_after_sigterm_is_the_same_run(project):
-    """2 processes; process 1 receives SIGTERM in its 11th training batch (step 11): both stop at an agreed
+    """2 processes; process 1 receives SIGTERM in its 11th training batch (step 11; its 12th training-mode
+    call, after the first-sample check's): both stop at an agreed
     step with a checkpoint; resumed, the run ends bit-identical to an uninterrupted one (RNG states of
     both processes restored, so dropout draws the same masks)."""
     script = project / "train_script.py"
@@ -182,7 +184,7 @@ def test_a_model_with_dropout_resumed_after_sigterm_is_the_same_run(project):
                  cwd=project))
     out = project / "cut"
     stopped = launch("0.3", "--output-dir", out, "--log-every", "2", launcher_args=two, target=[script], cwd=project,
-                     env={"SIGTERM_AT_BATCH": "11"})
+                     env={"SIGTERM_AT_BATCH": "12"})
     # fit() raises TrainingStopped (the user's script may catch it); its message says how to continue.
     assert stopped.returncode != 0 and "TrainingStopped: stopped by SIGTERM at step 12" in stopped.stderr
     checkpoints = sorted((out / "checkpoints").glob("step-*"))

@@ -51,7 +51,7 @@ class ImageNet(nn.Module):
 class Buggy(Net):
     def forward(self, x):
         if self.training and self.calls == 2:
-            return 1 / 0  # a bug in the user's own code, in the third training batch
+            return 1 / 0  # a bug in the user's own code, in the third training-mode call
         return super().forward(x)
 '''
 

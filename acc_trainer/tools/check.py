@@ -40,17 +40,18 @@ from ..config import ConfigError, TrainConfig
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
 
 
-def check(model, train_data, eval_data=None, *, loss=None, metrics=None, config: TrainConfig | None = None,
-          steps: int = 8, output_dir: str | None = None, **options) -> list[dict]:
+def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
+          config: TrainConfig | None = None, steps: int = 8, output_dir: str | None = None, **options) -> list[dict]:
     """Checks a user's workload, given as to `fit`. Prints the table; returns its rows (dicts with
     check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed)."""
     from ..components import from_objects
     from ..loop import fit_config
 
-    cfg = replace(fit_config(model, train_data, config, options), output_dir=None)
+    cfg = replace(fit_config(model, train_data, config, options, collate_fn, forward), output_dir=None)
     # One thread per process: this process may have run OpenMP work already (building the data, say),
     # and GNU OpenMP's thread pool does not survive a fork: a forked child that uses it hangs.
-    return Checker(cfg, lambda cfg: from_objects(model, train_data, eval_data, loss, metrics), steps, output_dir,
+    return Checker(cfg, lambda cfg: from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
+                                                 forward or cfg.forward), steps, output_dir,
                    threads=1).run()
 
 
@@ -185,22 +186,45 @@ def _recorder(record: dict):
     the call drew from torch's global random number generators (dropout, torch.rand)."""
     state = {}
 
+    from .. import components
+
     def before(module, args, kwargs):
-        if not module.training:
+        if not module.training or components.first_sample_check:
             return
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        if tensors:
-            x = tensors[0].detach().flatten(1).double().cpu()
-            weights = torch.arange(1, x.shape[1] + 1, dtype=torch.float64)
-            record["samples"].append([[round(a, 6), round(b, 6)]
-                                      for a, b in zip(x.sum(1).tolist(), (x * weights).sum(1).tolist())])
+        rows = _sample_rows([*args, *kwargs.values()])
+        if rows is not None:
+            record["samples"].append([_fingerprint(row) for row in rows])
         state["rng"] = _rng_states()
 
     def after(module, args, output):
-        if module.training and "rng" in state and not record["draws"]:
+        if module.training and not components.first_sample_check and "rng" in state and not record["draws"]:
             record["draws"] = any(not torch.equal(a, b) for a, b in zip(state["rng"], _rng_states()))
 
     return before, after
+
+
+def _sample_rows(values: list) -> list[torch.Tensor] | None:
+    """Each sample of the model's first input, flattened: the rows of a batched tensor, or the tensors of a
+    list of samples (images for a detector). Padding is left out where an attention mask of 0s and 1s
+    marks it (a sample padded to one length on 1 process and to another on 2 is the same sample);
+    padding with 0s adds nothing to the fingerprint anyway."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim():
+            x = value.detach().double().cpu()
+            mask = next((m for m in tensors[1:] if m.shape == value.shape and m.dim() == 2 and not m.is_floating_point()
+                         and bool(((m == 0) | (m == 1)).all())), None)
+            if mask is not None and value.dim() == 2:
+                return [row[keep.bool()] for row, keep in zip(x, mask.cpu())]
+            return list(x.reshape(len(x), -1))
+        if isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
+            return [t.detach().flatten().double().cpu() for t in value]
+    return None
+
+
+def _fingerprint(row: torch.Tensor) -> list[float]:
+    weights = torch.arange(1, len(row) + 1, dtype=torch.float64)
+    return [round(row.sum().item(), 6), round((row * weights).sum().item(), 6)]
 
 
 def _rng_states() -> list[torch.Tensor]:
@@ -232,6 +256,7 @@ def rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, cfg, half
     evaluation counts, the resume, determinism and BatchNorm."""
     return [*_equivalence_rows(base, nudged, accum, two, has_bn, cfg, world), _samples_row(base, two, world),
             _evaluation_row(base, two, world), _resume_row(base, resumed, half), _determinism_row(base, again),
+            _unused_row(base, world),
             *_batchnorm_rows(base, two, synced, has_bn, cfg, world)]
 
 
@@ -241,7 +266,6 @@ def _equivalence_rows(base, nudged, accum, two, has_bn, cfg, world) -> list[dict
     chaos = max_difference(base["weights"], nudged["weights"]) if not nudged["error"] else math.inf
     tolerance = max(1e-5, 10 * chaos)
     chaotic = f"; a 1-ulp nudge of the initial weights moves it {chaos:.1e}"
-    draws = base.get("draws", False)
 
     def compare(name: str, job: dict | None, cause: str, fix: str) -> None:
         if job is None:
@@ -254,17 +278,49 @@ def _equivalence_rows(base, nudged, accum, two, has_bn, cfg, world) -> list[dict
             rows.append(row(name, result, f"max parameter difference {d:.1e} (tolerance {tolerance:.0e}{chaotic})",
                             cause if result == FAIL else "", fix if result == FAIL else ""))
 
-    random_cause = ("the model draws random numbers in forward (dropout, torch.rand without a generator): each "
-                    "process draws its own, so no other topology can match")
-    bn_cause = "BatchNorm normalises each process's (or micro-batch's) share of the batch separately"
-    data_cause = "the samples differ between the runs (see the samples row)"
-    topo_cause = bn_cause if has_bn and not cfg.sync_bn else (random_cause if draws else data_cause)
-    compare(f"{world} processes vs 1", two, topo_cause,
-            "--sync-bn" if has_bn and not cfg.sync_bn else "draw randomness from a torch.Generator seeded per sample, "
-            "or turn dropout off to check")
-    compare("--grad-accum 2 vs 1 process", accum, bn_cause if has_bn else (random_cause if draws else data_cause),
-            "larger micro-batches, or a model without BatchNorm" if has_bn else "as above")
+    draws = base.get("draws", False)
+    compare(f"{world} processes vs 1", two, *_topology_cause(base, two, draws, has_bn and not cfg.sync_bn))
+    compare("--grad-accum 2 vs 1 process", accum, *_topology_cause(base, accum, draws, has_bn))
     return rows
+
+
+def _topology_cause(base: dict, other: dict | None, draws: bool, batchnorm: bool) -> tuple[str, str]:
+    """Why another topology ends elsewhere than 1 process: the first cause the runs show, in this order:
+    BatchNorm, random numbers drawn in forward, other samples, a loss averaged over each micro-batch's
+    positions; else what was ruled out."""
+    if batchnorm:
+        return ("BatchNorm normalises each process's (or micro-batch's) share of the batch separately",
+                "--sync-bn for processes; larger micro-batches, or a model without BatchNorm, for accumulation")
+    if draws:
+        return ("the model draws random numbers in forward (dropout, torch.rand without a generator): each process "
+                "draws its own masks, so the runs see the same samples and the same expected gradient but not the same "
+                "masks", "turn dropout off to check the rest; draw from a torch.Generator seeded per sample to match")
+    if other is not None and not other["error"] and _all_samples(base) != _all_samples(other):
+        return ("the samples differ between the runs (see the samples row)", "make each sample a function of (seed, "
+                "index) only")
+    if base["summary"].get("loss_per") == "position":
+        return ("the loss is a mean over each micro-batch's positions (tokens, pixels, labels of -100 left out), whose "
+                "number differs between micro-batches: each micro-batch weighs the same, not each position",
+                "return (sum, count) from the loss, or leave the loss to the model (its own token loss is counted per "
+                "token)")
+    return ("not BatchNorm, not random numbers, the samples are the same: the loss or the model depends on how the batch "
+            "is split (a mean over a varying number of items such as boxes or tokens, statistics over the batch)",
+            "return (sum, count) from the loss for items; compute per-sample values otherwise")
+
+
+def _all_samples(job: dict) -> list:
+    return sorted(sample for call in job["samples"] for sample in call)
+
+
+def _unused_row(base: dict, world: int) -> dict:
+    name = "every parameter gets a gradient"
+    unused = base["summary"].get("unused_parameters") or []
+    if not unused:
+        return row(name, PASS, "all parameters used by the first samples' backward pass", "")
+    shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+    return row(name, PASS, f"{len(unused)} never used ({shown}); {world} processes train with DDP's "
+                           "find_unused_parameters", "a layer the forward never calls",
+               "remove it, or freeze it (requires_grad=False), to train without find_unused_parameters")
 
 
 def _samples_row(base, two, world) -> dict:

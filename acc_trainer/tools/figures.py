@@ -18,7 +18,7 @@ def plot_comparison(runs: list[Path], labels: list[str], path: Path) -> Path:
         for (train, evals), label in zip(data, labels):
             steps = [r["step"] for r in train]
             line, = loss_ax.plot(steps, smooth([r["loss"] for r in train]), lw=2, label=label)
-            if evals:
+            if evals and (has_accuracy or "eval_loss" in evals[0]):
                 key = "eval_accuracy" if has_accuracy else "eval_loss"
                 scale = 100 if has_accuracy else 1
                 eval_ax.plot([r["step"] for r in evals], [scale * r[key] for r in evals], "o-", color=line.get_color(),
