@@ -306,21 +306,32 @@ def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: s
         if accelerator.is_main_process else 0
     # Compared (and made equal, with a note) before `prepare`, whose DDP wrapper would silently copy
     # rank 0's weights over a seeding mistake.
-    notes = processes.same_initial_weights(accelerator, model)
-    if checked.unused:
-        shown = ", ".join(checked.unused[:5]) + (f" and {len(checked.unused) - 5} more" if len(checked.unused) > 5 else "")
-        notes.append(f"the forward never uses {shown} (no gradient from the first samples)" +
-                     ("; DDP looks for unused parameters after every backward pass (find_unused_parameters)"
-                      if accelerator.num_processes > 1 and engine == "DDP" else ""))
-    if checked.loss_per == "position":
-        notes.append(f"the loss {checked.loss_name} is a mean over each micro-batch's positions (tokens, pixels): where "
-                     "their number varies (padding, labels of -100), micro-batches weigh unequally and training depends "
-                     "on the number of processes and --grad-accum; return (sum, count) to count every position once")
+    notes = processes.same_initial_weights(accelerator, model) + _notes(checked, model, accelerator.num_processes,
+                                                                         engine)
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model, loss_fn, metrics, augment, flops, notes, shapes
+
+
+def _notes(checked: Checked, model, world: int, engine: str) -> list[str]:
+    """What the first samples showed that a user should know: unused parameters, a loss that weighs
+    micro-batches unequally, dropout on several processes."""
+    notes = []
+    if checked.unused:
+        shown = ", ".join(checked.unused[:5]) + (f" and {len(checked.unused) - 5} more" if len(checked.unused) > 5 else "")
+        notes.append(f"the forward never uses {shown} (no gradient from the first samples)" +
+                     ("; DDP looks for unused parameters after every backward pass (find_unused_parameters)"
+                      if world > 1 and engine == "DDP" else ""))
+    if checked.loss_per == "position":
+        notes.append(f"the loss {checked.loss_name} is a mean over each micro-batch's positions (tokens, pixels): where "
+                     "their number varies (padding, labels of -100), micro-batches weigh unequally and training depends "
+                     "on the number of processes and --grad-accum; return (sum, count) to count every position once")
+    if world > 1 and any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        notes.append("the model has dropout: each process draws its own masks, so another number of processes trains on "
+                     "the same samples with the same expected gradient, not the same masks")
+    return notes
 
 
 def _optimizer(cfg: TrainConfig, model, job: Workload) -> tuple:
