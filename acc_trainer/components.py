@@ -31,11 +31,12 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader
 
 from . import losses, metrics as builtin_metrics
 from .config import IMPORT_PATH, ConfigError, TrainConfig, first_line
-from .data import DATASETS, Data, InMemory, RawImages, check_data, torchvision
+from .data import DATASETS, Data, InMemory, RawImages, check_data, one_at_a_time, torchvision
 from .models import MODELS
 
 # Exceptions that mean "these pieces do not fit together" when one sample passes through them; others
@@ -317,8 +318,10 @@ def _num_classes(dataset) -> int | None:
 
 def first_samples(dataset, n: int, collate: Callable | None = None):
     """The first `n` samples as one batch, collated as the training loader collates them."""
-    if collate is None:
-        collate = InMemory.collate if isinstance(dataset, InMemory) else None
+    if collate is not None:
+        dataset = one_at_a_time(dataset)  # a collate function takes samples
+    elif isinstance(dataset, InMemory):
+        collate = InMemory.collate
     indices = [list(range(min(n, len(dataset))))]
     # A generator of its own: iterating a DataLoader otherwise draws from the global RNG.
     return next(iter(DataLoader(dataset, batch_sampler=indices, collate_fn=collate, generator=torch.Generator())))
@@ -355,13 +358,13 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
             model.train()
             outputs, targets = _forward(job, batch)
             fn, loss_name, items = _choose_loss(job, batch, outputs, targets)
-            loss = partial(losses.model_loss, items=items) if fn is None else user_loss(fn)
+            loss = partial(losses.model_loss, items=items) if fn is None else fn
             value = _loss_value(loss, loss_name, job, outputs, targets)
             unused = _unused_parameters(model, value.value) if value.value.requires_grad else []
             model.eval()
             with torch.no_grad():
                 outputs, targets = _forward(job, batch)
-                eval_loss = loss(outputs, targets) is not None if loss_name == OWN else True
+                eval_loss = _evaluates(loss, outputs, targets)
     finally:
         model.train(was_training)
         first_sample_check = False
@@ -408,11 +411,6 @@ def _forward(job: Workload, batch) -> tuple[Any, Any]:
     return result
 
 
-def user_loss(fn: Callable) -> Callable:
-    """A loss function as the loop calls it: `(outputs, targets) -> losses.Loss`."""
-    return lambda outputs, targets: losses.as_loss(fn(outputs, targets))
-
-
 def _choose_loss(job: Workload, batch, outputs, targets) -> tuple[Callable | None, str, Callable | None]:
     """The loss function (None: the model's own), its name, and the model's own loss's item counter."""
     if job.loss is not None:
@@ -434,6 +432,7 @@ def _choose_loss(job: Workload, batch, outputs, targets) -> tuple[Callable | Non
 def _loss_value(loss: Callable, loss_name: str, job: Workload, outputs, targets) -> losses.Loss:
     try:
         value = loss(outputs, targets)
+        value = value if value is None or isinstance(value, losses.Loss) else losses.as_loss(value)
     except losses.NotALoss as e:
         raise ConfigError(f"loss {loss_name} returned {describe(e.value)}; it must return one number (a 0-dim tensor) "
                           "or a pair (sum, count)") from None
@@ -446,6 +445,14 @@ def _loss_value(loss: Callable, loss_name: str, job: Workload, outputs, targets)
     return value
 
 
+def _evaluates(loss: Callable, outputs, targets) -> bool:
+    """Whether the loss can be computed on the evaluation outputs (a detector returns predictions there)."""
+    try:
+        return loss(outputs, targets) is not None
+    except MISFITS:
+        return False
+
+
 def _unused_parameters(model: nn.Module, loss: torch.Tensor) -> list[str]:
     """Names of the trainable parameters one backward pass leaves without a gradient."""
     loss.backward()
@@ -456,7 +463,7 @@ def _unused_parameters(model: nn.Module, loss: torch.Tensor) -> list[str]:
 def _model_kept(model: nn.Module):
     """The model's gradients and buffers (BatchNorm statistics) as they were, afterwards."""
     grads = {p: p.grad for p in model.parameters()}
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    buffers = {name: b.clone() for name, b in model.named_buffers() if not is_lazy(b)}
     for p in grads:
         p.grad = None
     try:
@@ -466,7 +473,7 @@ def _model_kept(model: nn.Module):
             p.grad = grad
         with torch.no_grad():
             for name, b in model.named_buffers():
-                if name in buffers:
+                if name in buffers and b.shape == buffers[name].shape:
                     b.copy_(buffers[name])
 
 

@@ -128,6 +128,17 @@ class InMemory(TensorDataset):
         return batch
 
 
+def one_at_a_time(dataset: Dataset) -> Dataset:
+    """Tensors held in memory as a dataset of single samples (prepared as InMemory prepares its batches),
+    for a DataLoader that collates samples; any other dataset as it is."""
+    if type(dataset) not in (TensorDataset, InMemory):  # a subclass may have a __getitem__ of its own
+        return dataset
+    plain = TensorDataset(*dataset.tensors)
+    if isinstance(dataset, InMemory) and (dataset.prepare or dataset.augment):
+        return PerSample(plain, dataset.prepare, dataset.augment)
+    return plain
+
+
 class PerSample(Dataset):
     """A dataset read one sample at a time (in DataLoader workers when there are), each raw image
     passed through the same pipeline as InMemory's batches: identical pixels for the same sample."""

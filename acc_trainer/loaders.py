@@ -9,6 +9,7 @@ device when they fit; other datasets one sample at a time through the DataLoader
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from functools import partial
 from typing import Callable
 
@@ -18,8 +19,8 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from . import augment as augmentation
 from .config import TrainConfig
-from .data import (DATASETS, Data, Guarded, IndexBatches, InMemory, PerSample, Uncollated, augmented, reads_files,
-                   steps_per_epoch)
+from .data import (DATASETS, Data, Guarded, IndexBatches, InMemory, Uncollated, augmented, one_at_a_time,
+                   reads_files, steps_per_epoch)
 
 
 def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
@@ -42,7 +43,8 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
     # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
     sampler = RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size)
     micro_batch = cfg.batch_size // cfg.grad_accum
-    placed = (lambda dataset: dataset) if collate else partial(_placed, cfg=cfg, device=device)
+    # A collate function takes samples one at a time, from the built-in datasets held in memory too.
+    placed = partial(_placed, cfg=replace(cfg, data_pipeline="per-sample") if collate else cfg, device=device)
     train_set = placed(augmented(data.raw, augment) if augment else data.train)
     eval_set = placed(data.eval) if data.eval is not None else None
     workers = cfg.num_workers
@@ -71,8 +73,10 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
         return train_loader, None
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
     guarded = reads_files(eval_set)
-    eval_collate = partial(Guarded.collate, collate=collate) if guarded else InMemory.collate if isinstance(
-        eval_set, InMemory) else collate
+    if guarded:
+        eval_collate = partial(Guarded.collate, collate=collate)
+    else:
+        eval_collate = InMemory.collate if isinstance(eval_set, InMemory) else collate
     if collate:
         eval_collate = partial(Uncollated.later, collate=eval_collate)
     eval_loader = DataLoader(Guarded(eval_set) if guarded else eval_set, batch_size=per_process * world,
@@ -95,10 +99,7 @@ def _placed(dataset, cfg: TrainConfig, device: torch.device):
     if type(dataset) not in (TensorDataset, InMemory):  # a subclass may have a __getitem__ of its own
         return dataset
     if cfg.data_pipeline == "per-sample":  # one sample per __getitem__, collated by the DataLoader
-        plain = TensorDataset(*dataset.tensors)
-        if isinstance(dataset, InMemory) and (dataset.prepare or dataset.augment):
-            return PerSample(plain, dataset.prepare, dataset.augment)
-        return plain
+        return one_at_a_time(dataset)
     if not isinstance(dataset, InMemory):
         dataset = InMemory(*dataset.tensors)
     if device.type == "cuda" and dataset.nbytes() <= torch.cuda.mem_get_info(device)[0] // 2:

@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -47,7 +47,7 @@ from .components import Checked, Workload, first_samples
 from .config import ConfigError, TrainConfig, make_config
 from .data import Uncollated, reads_files, sample_name, steps_per_epoch
 from .loaders import build_loaders, dataloader_config, on_device
-from .losses import Loss, as_loss, cross_entropy, forward
+from .losses import Loss, as_loss, cross_entropy, forward, model_loss
 from .measure import device_peak_flops, flops_per_sample, library_versions, peak_memory_mb
 from .models import sync_batchnorm
 from .optim import build_optimizer, build_scheduler
@@ -111,7 +111,7 @@ def batch_loss(model, batch, loss_fn: Callable, forward_fn: Callable | None = No
     number or (sum, count) too), or None when the outputs carry none (a model that returns predictions
     in evaluation)."""
     outputs, targets = (forward_fn or forward)(model, batch)
-    loss = loss_fn(outputs, targets)
+    loss = loss_fn(outputs, targets) if loss_fn is not None else None
     return outputs, targets, loss if loss is None or isinstance(loss, Loss) else as_loss(loss)
 
 
@@ -132,7 +132,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             since = time.perf_counter()
             if r.eval_loader is not None:
-                results = evaluate(r.accelerator, r.ema.module if r.ema else r.model, r.eval_loader, r.loss_fn,
+                results = evaluate(r.accelerator, r.ema.module if r.ema else r.model, r.eval_loader, r.eval_loss_fn,
                                    r.metrics, cfg.channels_last, r.input_dtype, guarded=reads_files(r.job.data.eval),
                                    forward_fn=r.job.forward)
                 keep_evaluation(r, results)
@@ -156,7 +156,8 @@ class Run:
     scheduler: Any
     train_loader: Any
     eval_loader: Any
-    loss_fn: Callable  # (outputs, targets) -> losses.Loss
+    loss_fn: Callable  # (outputs, targets) -> losses.Loss, one number or (sum, count)
+    eval_loss_fn: Callable | None  # None: the evaluation outputs carry no loss (a detector's predictions)
     loss_name: str
     items: bool  # the loss is a sum over items, divided by the count of the whole global batch
     loss_per: str  # item, sample or position (components.Checked)
@@ -218,7 +219,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
         model, optimizer, train_loader, eval_loader, scheduler, device_placement=placement
     )
     ema, averaged = _ema(cfg, accelerator, model)
-    state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device))
+    state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, checked.items))
     if resumed:
         with checkpoints.reading(resume):
             accelerator.load_state(str(resume))
@@ -235,6 +236,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     epochs = math.ceil(total_steps / per_epoch)
     r = Run(cfg=cfg, job=job, accelerator=accelerator, engine=engine, model=model, optimizer=optimizer,
             scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader, loss_fn=loss_fn,
+            eval_loss_fn=loss_fn if checked.eval_loss else None,
             loss_name=checked.loss_name, items=checked.items, loss_per=checked.loss_per, item_scale=checked.item_scale, unused=checked.unused,
             metrics=metrics, augment=augment, ema=ema, averaged=averaged, input_dtype=input_dtype,
             total_steps=total_steps, per_epoch=per_epoch, epochs=epochs, checkpoint_steps=cfg.checkpoint_steps,
@@ -260,8 +262,7 @@ def _accelerator(cfg: TrainConfig, job: Workload) -> tuple:
     # Before the Accelerator: how DDP wraps the model depends on what the first samples show.
     checked = components.check_fit(job, cfg.batch_size // (world * cfg.grad_accum))
     if checked.items and engine == "DEEPSPEED":
-        raise ConfigError(f"the loss ({checked.loss_name}) is a sum over items, normalised over the global batch by "
-                          "scaling the gradients, which DeepSpeed keeps to itself; use DDP or FSDP, or a mean loss")
+        checked = _per_micro_batch(checked)
     # DDP fails at the second step when a parameter gets no gradient, unless it looks for such parameters
     # after every backward pass (a cost): asked for only when the first samples leave some unused.
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and world > 1 else []
@@ -284,6 +285,15 @@ def _accelerator(cfg: TrainConfig, job: Workload) -> tuple:
     return accelerator, engine, out, resume, resumed, checked
 
 
+def _per_micro_batch(checked: Checked) -> Checked:
+    """Under DeepSpeed, which keeps the gradients to itself (they cannot be divided by the global batch's
+    items): the model's own token loss stays a mean per micro-batch; a loss of (sum, count) is refused."""
+    if checked.fn is not None:
+        raise ConfigError(f"the loss {checked.loss_name} returns (sum, count), normalised over the global batch by scaling "
+                          "the gradients, which DeepSpeed keeps to itself; use DDP or FSDP, or a mean loss")
+    return replace(checked, loss=partial(model_loss, items=None), items=False, loss_per="position")
+
+
 def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: str, resume, resumed,
             checked: Checked) -> tuple:
     """The model as it will train, its loss, metrics and augmentation (checked on the first samples)."""
@@ -293,10 +303,11 @@ def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: s
     if resumed:
         checkpoints.check_model(resume, resumed, model)
     _check_save_best(cfg, checked, data)
-    if job.collate and (cfg.augment not in ("auto", "none") or cfg.mixup or cfg.cutmix):
-        raise ConfigError("--augment, --mixup and --cutmix work on batches of images; with --collate, augment in the "
-                          "dataset or the collate function")
-    augment = augmentation.from_config(cfg, data) if not job.collate else None  # each sample's from (seed, epoch, index)
+    augment = augmentation.from_config(cfg, data)  # None, or each sample's from (seed, epoch, index)
+    if job.collate and augment:
+        raise ConfigError("--augment, --mixup and --cutmix work on batches of images (--augment auto: standard for "
+                          "cifar10/cifar100); with --collate, give --augment none and augment in the dataset or the "
+                          "collate function")
     loss_fn = _cross_entropy_options(cfg, checked, augment)
     if cfg.ema and engine != "DDP":
         raise ConfigError(f"--ema needs the whole model on every process; with {engine} each holds a shard")
@@ -747,8 +758,7 @@ def _cross_entropy_options(cfg: TrainConfig, checked: Checked, augment) -> Calla
     if checked.fn is not cross_entropy:
         raise ConfigError(f"--label-smoothing, --mixup and --cutmix apply to the cross_entropy loss; this run uses "
                           f"{checked.loss_name}")
-    return components.user_loss(partial(cross_entropy, label_smoothing=cfg.label_smoothing)) if cfg.label_smoothing \
-        else checked.loss
+    return partial(cross_entropy, label_smoothing=cfg.label_smoothing) if cfg.label_smoothing else checked.loss
 
 
 def _describe_augment(augment, cfg: TrainConfig) -> str:

@@ -106,7 +106,8 @@ def model_loss(outputs, targets, items: Callable | None = None) -> Loss | None:
         if items is None:
             return Loss(loss)
         count = items(targets)
-        return Loss(loss * count, count)
+        # No item in the batch (every label -100): the model's mean is NaN; the sum is 0.
+        return Loss(torch.where(count > 0, loss, loss.new_zeros(())) * count, count)
     parts = loss_parts(outputs)
     return Loss(sum(parts.values()), None, parts) if parts else None
 

@@ -36,14 +36,17 @@ class IntervalLosses:
     with their count (losses.Loss), and may come with named parts (a model's loss dict).
     """
 
-    def __init__(self, grad_accum: int, device: torch.device):
-        self.grad_accum, self.device, self.first_step = grad_accum, device, 1
+    def __init__(self, grad_accum: int, device: torch.device, counted: bool = False):
+        self.grad_accum, self.device, self.first_step, self.counted = grad_accum, device, 1, counted
         self.values: list[torch.Tensor] = []
         self.items: list[torch.Tensor] = []  # each micro-batch's item count, for losses summed over items
         self.parts: list[torch.Tensor] = []  # each micro-batch's named losses, stacked
         self.part_names: list[str] = []
 
     def add(self, loss) -> None:
+        if (loss.items is not None) != self.counted:
+            raise ValueError("the loss returned one number for some batches and (sum, count) for others; it must "
+                             "return the same form for every batch")
         self.values.append(loss.value.detach())
         if loss.items is not None:
             self.items.append(loss.items)
@@ -109,7 +112,10 @@ class IntervalLosses:
         self.first_step = state["first_step"]
         mine = state["values"][process_index][: state["count"]]
         self.part_names = state.get("part_names", [])
-        if mine and isinstance(mine[0], list):  # rows of [loss, items, *parts]
+        if mine and self.counted != bool(state.get("items")):
+            # Written by a version that did not count this loss's items: its means cannot join the interval's sums.
+            self.values, self.items, self.parts = [], [], []
+        elif mine and isinstance(mine[0], list):  # rows of [loss, items, *parts]
             self.values = [torch.tensor(row[0], dtype=torch.float32, device=self.device) for row in mine]
             self.items = [torch.tensor(row[1], dtype=torch.float64, device=self.device) for row in mine] \
                 if state.get("items") else []

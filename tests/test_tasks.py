@@ -294,3 +294,40 @@ def stack(samples):
     assert result.returncode == 1
     assert "unreadable training sample: sample 9 (the collate function raised ValueError: invalid literal" in result.stdout
     assert "training: 9 of 10 samples read" in result.stdout
+
+
+def test_a_micro_batch_without_any_token_adds_nothing(lm):
+    """Every label -100 (a prompt cut before its answer): the model's own mean is NaN; counted per token the
+    micro-batch adds 0 to the loss and nothing to the gradients, and training goes on."""
+    from acc_trainer.losses import count_next_tokens, model_loss
+
+    model = lm.gpt2()
+    batch = lm.pad([{"input_ids": torch.arange(1, 9)}, {"input_ids": torch.arange(3, 7)}])
+    batch["labels"].fill_(-100)
+    outputs = model(**batch)
+    assert torch.isnan(outputs.loss)
+    loss = model_loss(outputs, batch["labels"], items=count_next_tokens)
+    assert loss.value.item() == 0 and loss.items.item() == 0
+    loss.value.backward()
+    assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters() if p.grad is not None)
+
+
+COLLATE = '''
+import torch
+
+
+def stack(samples):
+    return torch.stack([image for image, _ in samples]), torch.tensor([label for _, label in samples])
+'''
+
+
+def test_a_collate_function_with_a_built_in_dataset_held_in_memory(tmp_path):
+    """The built-in datasets serve whole batches from memory; with a collate function they serve samples."""
+    (tmp_path / "stacking.py").write_text(COLLATE)
+    result = run_here("--model", "mlp", "--dataset", "synthetic", "--train-size", "256", "--eval-size", "77",
+                      "--batch-size", "32", "--epochs", "1", "--collate", "stacking:stack", "--output-dir", tmp_path / "run",
+                      "--progress", "none", "--no-plots", cwd=tmp_path)
+    sys.modules.pop("stacking", None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = summary(tmp_path / "run")
+    assert s["eval_samples"] == 77 and s["steps"] == 8 and s["eval"]["accuracy"] > 0.2

@@ -79,7 +79,7 @@ def _best(summary: dict) -> str:
     best = best_evaluation(summary.get("evals") or [])
     if best is None:
         return "-"
-    value = f"{best['accuracy']:.2%}" if "accuracy" in best else f"{best['loss']:.4f}"
+    value = f"{best['accuracy']:.2%}" if "accuracy" in best else f"{best['loss']:.4f}" if "loss" in best else "-"
     return f"{value} @ {best['step']}"
 
 
