@@ -215,13 +215,29 @@ def build_metrics(specs: list[str]) -> dict[str, Callable]:
     for spec in specs:
         if spec in builtin_metrics.METRICS:
             metrics[spec] = builtin_metrics.METRICS[spec]
+        elif spec in builtin_metrics.STATEFUL:
+            metrics[spec] = builtin_metrics.STATEFUL[spec]  # a class: built for the outputs by check_fit
         elif ":" in spec:
-            metrics[spec.rpartition(":")[2].rpartition(".")[2]] = _callable(import_object(spec, "--metrics"), spec,
-                                                                          "--metrics")
+            metrics[spec.rpartition(":")[2].rpartition(".")[2]] = _metric(import_object(spec, "--metrics"), spec,
+                                                                        "--metrics")
         else:
-            raise ConfigError(f"unknown metric {spec!r}; choose from {', '.join(builtin_metrics.METRICS)}, or give an import "
-                              "path pkg.module:function")
+            names = [*builtin_metrics.METRICS, *builtin_metrics.STATEFUL]
+            raise ConfigError(f"unknown metric {spec!r}; choose from {', '.join(names)}, or give an import path "
+                              "pkg.module:function (or an object with update, compute and reset)")
     return metrics
+
+
+def _metric(obj: Any, spec: str, what: str):
+    """A metric: a function of (outputs, targets), or an object with update, compute and reset."""
+    if builtin_metrics.is_stateful(obj):
+        return obj
+    if any(hasattr(obj, name) for name in ("update", "compute")) and not callable(obj):
+        raise ConfigError(f"{what} {spec} is a {type(obj).__name__} without update, compute and reset; a metric is a "
+                          "function metric(outputs, targets) or an object with all three")
+    if not callable(obj):
+        raise ConfigError(f"{what} {spec} is a {type(obj).__name__}, not a function metric(outputs, targets) or an "
+                          "object with update, compute and reset")
+    return obj
 
 
 def _callable(obj: Any, spec: str, what: str) -> Callable:
@@ -246,7 +262,7 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate
     if isinstance(metrics, (list, tuple)):
         metrics = build_metrics(list(metrics))
     elif isinstance(metrics, Mapping):  # name -> a function, or a built-in name / import path
-        metrics = {name: _callable(m, name, "fit: metric") if not isinstance(m, str)
+        metrics = {name: _metric(m, name, "fit: metric") if not isinstance(m, str)
                    else next(iter(build_metrics([m]).values())) for name, m in metrics.items()}
     elif metrics is not None:
         raise ConfigError(f"fit: metrics must be a dict of name -> metric or a list of names, not {type(metrics).__name__}")
@@ -341,6 +357,7 @@ class Checked:
     item_scale: float  # items in one process's micro-batch, about: keeps the summed loss near a mean's size
     eval_loss: bool  # evaluation computes a loss (False: the model returns predictions in evaluation)
     unused: list[str]  # parameters that got no gradient from the first samples
+    tables: dict  # name -> a metric with state whose result is a table (the confusion matrix), not a number
 
 
 def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
@@ -372,12 +389,16 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
     metrics = job.metrics
     if metrics is None:  # accuracy for one class label per sample
         metrics = {"accuracy": builtin_metrics.accuracy} if labels and targets.dim() == 1 else {}
+    metrics = {name: m.for_outputs(outputs, targets) if isinstance(m, type) else m for name, m in metrics.items()}
     _check_metrics(job, metrics, outputs, targets)
+    # A classification run also keeps its confusion matrix and per-class table (plots/confusion.png, summary.json).
+    tables = {"confusion": builtin_metrics.Confusion.for_outputs(outputs, targets)} if labels and targets.dim() == 1 \
+        and _class_scores(outputs) else {}
     count = float(value.items) if value.items is not None else 1.0
     per_position = isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() >= 2
     loss_per = "item" if value.items is not None else "position" if per_position else "sample"
     return Checked(loss, fn, loss_name, metrics, value.items is not None, loss_per, max(count, 1.0) * micro_batch / 2,
-                   eval_loss, unused)
+                   eval_loss, unused, tables)
 
 
 OWN = "the model's own"
@@ -483,6 +504,11 @@ def _check_metrics(job: Workload, metrics: dict, outputs, targets) -> None:
     with torch.no_grad():
         for name, metric in metrics.items():
             try:
+                if builtin_metrics.is_stateful(metric):  # updated once here, then reset
+                    metric.update(outputs if isinstance(metric, builtin_metrics.Stateful) else metric_input(outputs),
+                                  targets)
+                    metric.reset()
+                    continue
                 value = metric(outputs, targets)
             except MISFITS as e:
                 raise ConfigError(f"metric {name} does not fit the outputs of {job.model_name} ({describe(outputs)}): "
@@ -490,6 +516,25 @@ def _check_metrics(job: Workload, metrics: dict, outputs, targets) -> None:
             if not isinstance(value, torch.Tensor) or (value.dim() and size is not None and len(value) != size):
                 raise ConfigError(f"metric {name} returned {describe(value)} for {size} samples; it must return one "
                                   "value per sample or one number")
+
+
+def metric_input(outputs):
+    """What a metric object (torchmetrics') is updated with: the predictions tensor when the outputs hold one
+    (logits of an output object), else the outputs as they are (a detector's list of dicts)."""
+    if isinstance(outputs, (torch.Tensor, list, tuple)):
+        return outputs if not (isinstance(outputs, tuple) and outputs and isinstance(outputs[0], torch.Tensor)) \
+            else outputs[0]
+    try:
+        return losses.predictions(outputs)
+    except ValueError:
+        return outputs
+
+
+def _class_scores(outputs) -> bool:
+    try:
+        return losses.predictions(outputs).dim() == 2
+    except ValueError:
+        return False
 
 
 def _name(fn: Callable) -> str:

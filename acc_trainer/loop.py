@@ -43,11 +43,12 @@ from safetensors.torch import load_file
 from . import augment as augmentation
 from . import checkpoints, components, engines, processes, speedups
 from .checkpoints import BEST, Checkpoints, WRITE_ERRORS, write_failure
-from .components import Checked, Workload, first_samples
+from .components import Checked, Workload, first_samples, metric_input
 from .config import ConfigError, TrainConfig, make_config
 from .data import Uncollated, reads_files, sample_name, steps_per_epoch
 from .loaders import build_loaders, dataloader_config, on_device
 from .losses import Loss, as_loss, cross_entropy, forward, model_loss
+from .metrics import Stateful, is_stateful
 from .measure import device_peak_flops, flops_per_sample, library_versions, peak_memory_mb
 from .models import sync_batchnorm
 from .optim import build_optimizer, build_scheduler
@@ -134,7 +135,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             if r.eval_loader is not None:
                 results = evaluate(r.accelerator, r.ema.module if r.ema else r.model, r.eval_loader, r.eval_loss_fn,
                                    r.metrics, cfg.channels_last, r.input_dtype, guarded=reads_files(r.job.data.eval),
-                                   forward_fn=r.job.forward)
+                                   forward_fn=r.job.forward, tables=r.tables)
                 keep_evaluation(r, results)
             if cfg.checkpoint_epochs or (r.checkpoint_steps and state.step % r.checkpoint_steps == 0):
                 save_checkpoint(r)
@@ -164,6 +165,7 @@ class Run:
     item_scale: float  # items of one process's micro-batch, about (see normalise_gradients)
     unused: list[str]  # parameters the first samples left without a gradient
     metrics: dict
+    tables: dict  # metrics with state whose results are tables (the confusion matrix)
     augment: Any  # augment.Augment or None
     ema: Any  # torch.optim.swa_utils.AveragedModel of the trained weights, or None
     averaged: Any  # the module the EMA follows (the model without its wrappers)
@@ -185,6 +187,7 @@ class Run:
     clock: Clock
     started: float
     epoch: int = 0
+    last_tables: dict = None  # the last evaluation's tables: confusion_matrix, per_class
 
     @property
     def world(self) -> int:
@@ -238,7 +241,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
             scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader, loss_fn=loss_fn,
             eval_loss_fn=loss_fn if checked.eval_loss else None,
             loss_name=checked.loss_name, items=checked.items, loss_per=checked.loss_per, item_scale=checked.item_scale, unused=checked.unused,
-            metrics=metrics, augment=augment, ema=ema, averaged=averaged, input_dtype=input_dtype,
+            metrics=metrics, tables=checked.tables, augment=augment, ema=ema, averaged=averaged, input_dtype=input_dtype,
             total_steps=total_steps, per_epoch=per_epoch, epochs=epochs, checkpoint_steps=cfg.checkpoint_steps,
             flops=flops, parameters=shapes, notes=notes, out=out, resume=resume, start_step=state.step, files=files,
             checkpoints=saver, progress=Progress(cfg.progress, accelerator.is_main_process, total_steps, epochs,
@@ -540,7 +543,8 @@ def _checkpoint_this_step(r: Run) -> None:
 
 
 def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, channels_last: bool = False,
-             input_dtype: torch.dtype | None = None, guarded: bool = False, forward_fn: Callable | None = None) -> dict:
+             input_dtype: torch.dtype | None = None, guarded: bool = False, forward_fn: Callable | None = None,
+             tables: dict | None = None) -> dict:
     """The loss and every metric over the whole evaluation set, each sample counted once whatever the
     number of processes, and nothing but running sums kept (never the whole set's outputs).
 
@@ -549,10 +553,18 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
     are real. Only those are passed through the model (every process still makes one call, as FSDP
     needs), and each batch's loss and per-sample metrics are weighted by that count; a loss summed over
     items (tokens) is divided by the items of the whole set. A loss the outputs do not carry (a model
-    that returns predictions in evaluation) is left out of the results. With `guarded` batches
+    that returns predictions in evaluation) is left out of the results. Metrics with state (F1, AUROC,
+    mAP; metrics.py) are updated with the real samples only and computed once, over every process
+    (`merged_metric`); `tables` (the confusion matrix) come back under "tables". With `guarded` batches
     (data.Guarded), the indices of samples that could not be read come back as `unreadable`.
     """
     model.eval()
+    stateful = {name: m for name, m in {**metrics, **(tables or {})}.items() if is_stateful(m)}
+    metrics = {name: m for name, m in metrics.items() if name not in stateful}
+    for metric in stateful.values():
+        metric.reset()
+        if hasattr(metric, "to") and not isinstance(metric, Stateful):  # a torchmetrics object: where the outputs are
+            metric.to(accelerator.device)
     # loss total, loss count (items or samples), each metric's total, samples
     totals = torch.zeros(len(metrics) + 3, dtype=torch.float64, device=accelerator.device)
     unreadable, has_loss = [], True
@@ -584,11 +596,19 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
                     _sample_sum(loss.value, real), totals.new_tensor(real)]
             values = [_sample_sum(metric(outputs, targets), real) for metric in metrics.values()]
             totals += torch.stack([*loss_total, *values, totals.new_tensor(real)])
+            for metric in stateful.values():
+                metric.update(outputs if isinstance(metric, Stateful) else metric_input(outputs), targets)
     model.train()
     totals = accelerator.reduce(totals, "sum").tolist()
     count = int(totals[-1])
     results = {"loss": totals[0] / max(totals[1], 1)} if has_loss else {}
     results.update({name: total / count for name, total in zip(metrics, totals[2:-1])})
+    for name, metric in stateful.items():
+        value = merged_metric(accelerator, metric)
+        if name in (tables or {}):
+            results.setdefault("tables", {}).update(value)
+        else:
+            results.update(_as_numbers(name, value))
     results["samples"] = count
     if guarded:
         results["unreadable_indices"] = _unreadable_everywhere(accelerator, unreadable)
@@ -602,6 +622,7 @@ def keep_evaluation(r: Run, results: dict) -> None:
     if results.pop("unreadable", False):  # an evaluation counts every sample: never skipped
         raise_unreadable(r, results["unreadable_indices"], "evaluation", state.step)
     results.pop("unreadable_indices", None)
+    r.last_tables = results.pop("tables", {})
     state.evals.append({"step": state.step, "epoch": epoch + 1, **results})
     r.files.log({"step": state.step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in results.items()}})
     if cfg.log_with:
@@ -620,6 +641,38 @@ def _unreadable_everywhere(accelerator: Accelerator, local: list[int]) -> list[i
     if accelerator.reduce(torch.tensor(len(local), device=accelerator.device), "sum").item() == 0:
         return []
     return sorted({i for part in gather_object([local]) for i in part})
+
+
+def merged_metric(accelerator: Accelerator, metric):
+    """A metric with state, computed over every process: a built-in's counts summed (one all-reduce) and
+    its per-sample rows gathered, exactly the real samples of each process; an object of another kind
+    (torchmetrics') combines the processes itself in `compute`, which every process calls."""
+    if not isinstance(metric, Stateful):
+        return metric.compute()
+    several = accelerator.num_processes > 1
+    sums = accelerator.reduce(metric.sums.to(accelerator.device), "sum").cpu() if several else metric.sums.cpu()
+    rows = None
+    if metric.width:
+        local = torch.cat(metric.rows) if metric.rows else torch.zeros(0, metric.width, dtype=torch.float64)
+        if several:  # padded to the longest share for the gather, then cut back to each share's length
+            lengths = accelerator.gather(torch.tensor([len(local)], device=accelerator.device)).tolist()
+            padded = accelerator.pad_across_processes(local.to(accelerator.device), dim=0)
+            everything, size = accelerator.gather(padded).cpu(), padded.shape[0]
+            local = torch.cat([everything[i * size: i * size + n] for i, n in enumerate(lengths)])
+        rows = local.cpu()
+    return metric.compute(sums, rows)
+
+
+def _as_numbers(name: str, value) -> dict:
+    """A metric's result as named numbers: one number, or each number of a dict (torchmetrics' mAP gives map,
+    map_50, ...: kept by their own names when they start with the metric's, else as name_key)."""
+    if isinstance(value, dict):
+        out = {}
+        for key, v in value.items():
+            if isinstance(v, torch.Tensor) and v.numel() == 1 or isinstance(v, (int, float)):
+                out[key if key.startswith(name) else f"{name}_{key}"] = float(v)
+        return out
+    return {name: float(value)}
 
 
 def _real_samples(accelerator: Accelerator, size: int) -> int:
@@ -697,6 +750,19 @@ def finish(r: Run) -> dict:
     return summary
 
 
+def _tables(r: Run) -> dict:
+    """The last evaluation's confusion matrix (rows: targets, columns: predictions) and per-class table, by
+    class name (the dataset's `classes`, else the class index)."""
+    tables = r.last_tables or {}
+    if "confusion_matrix" not in tables:
+        return {}
+    classes = list(getattr(r.job.data.train, "classes", None) or [])
+    names = [str(c) for c in classes] if len(classes) == len(tables["per_class"]) else \
+        [str(i) for i in range(len(tables["per_class"]))]
+    return {"classes": names, "confusion_matrix": tables["confusion_matrix"],
+            "per_class": dict(zip(names, tables["per_class"]))}
+
+
 def run_summary(r: Run, ranks_agree: bool) -> dict:
     """What summary.json holds: the results, how the run was made, and how fast."""
     cfg, accelerator, state, clock = r.cfg, r.accelerator, r.state, r.clock
@@ -731,6 +797,7 @@ def run_summary(r: Run, ranks_agree: bool) -> dict:
         "eval_samples": final["samples"] if final else 0,
         "evals": state.evals,
         "best": state.best,
+        **_tables(r),
         "resumed_from": str(r.resume) if r.resume else None,
         "wall_time_s": time.perf_counter() - r.started,
         "train_time_s": clock.train_time,

@@ -1,8 +1,14 @@
 """Built-in evaluation metrics, by name.
 
-A metric is `metric(outputs, targets)` returning one value per sample (shape `[batch]`, further
-dimensions averaged) or a scalar, the batch's mean; the evaluation averages them over the samples of
-the evaluation set, each sample counted once whatever the number of processes.
+A metric is either
+- a function `metric(outputs, targets)` returning one value per sample (shape `[batch]`, further
+  dimensions averaged) or a scalar, the batch's mean; the evaluation averages them over the samples of
+  the evaluation set, each sample counted once whatever the number of processes (accuracy, top5, mae); or
+- a metric with state, for numbers that are not means of per-sample values (F1, AUROC, mAP): an object
+  with `update(predictions, targets)`, `compute()` and `reset()` (torchmetrics' protocol), updated with
+  each evaluation batch's real samples only and computed once over the whole set. Such an object combines
+  the processes itself, as torchmetrics' do; the built-in ones (f1, precision, recall, auroc, iou, below)
+  are combined by the loop: their counts with one all-reduce, their per-sample scores gathered exactly.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .losses import class_scores, values_like
+from .losses import class_scores, predictions, values_like
 
 
 def accuracy(outputs, targets: torch.Tensor) -> torch.Tensor:
@@ -45,3 +51,166 @@ METRICS: dict[str, Callable] = {
     "top5": top5,
     "mae": mae,
 }
+
+
+# ------------------------------------------------------------------------------------ metrics with state
+
+
+class Stateful:
+    """A built-in metric over the whole evaluation set that is not a mean of per-sample values.
+
+    `update(outputs, targets)` gets each evaluation batch's real samples only. Its state is `sums`, a
+    tensor of counts that processes add up (one all-reduce), and/or `rows`, per-sample values that are
+    concatenated over the processes (exactly the real samples, for AUROC); the loop merges both and
+    calls `compute(sums, rows)`, which returns a number, or a dict with a number under "value" and
+    tables beside it. Built from the first evaluation outputs (`for_outputs`), so that every process
+    holds a state of the same shape from the start, even one that gets no real sample."""
+
+    width = 0  # values per row (rows are kept only when width > 0)
+
+    def __init__(self, num_classes: int):
+        self.num_classes = num_classes
+        self.reset()
+
+    @classmethod
+    def for_outputs(cls, outputs, targets) -> "Stateful":
+        scores = predictions(outputs)
+        return cls(scores.shape[1] if scores.dim() > 1 else 2)
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(self.size(), dtype=torch.float64)
+        self.rows = []
+
+    def size(self) -> tuple:
+        return (self.num_classes, self.num_classes)  # a confusion matrix: [target, predicted]
+
+    def update(self, outputs, targets: torch.Tensor) -> None:
+        predicted = class_scores(outputs, targets).argmax(dim=1)
+        keep = targets != -100
+        pairs = targets[keep].long() * self.num_classes + predicted[keep]
+        counts = torch.bincount(pairs.flatten(), minlength=self.num_classes ** 2)
+        self.sums = self.sums.to(counts.device) + counts.reshape(self.num_classes, self.num_classes)
+
+    def compute(self, sums: torch.Tensor, rows: torch.Tensor | None):
+        raise NotImplementedError
+
+
+def per_class(confusion: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Precision, recall, F1 and support of every class from a confusion matrix [target, predicted]; a
+    class that is neither a target nor predicted is left out of macro averages (as scikit-learn does)."""
+    confusion = confusion.double().cpu()
+    hits = confusion.diagonal()
+    predicted, support = confusion.sum(0), confusion.sum(1)
+    precision = hits / predicted.clamp(min=1)
+    recall = hits / support.clamp(min=1)
+    f1 = 2 * hits / (predicted + support).clamp(min=1)
+    return {"precision": precision, "recall": recall, "f1": f1, "support": support, "seen": (predicted + support) > 0}
+
+
+class F1(Stateful):
+    """`f1`: macro F1 over the classes (from the confusion counts)."""
+
+    def compute(self, sums, rows):
+        table = per_class(sums)
+        return table["f1"][table["seen"]].mean().item()
+
+
+class Precision(Stateful):
+    """`precision`: macro precision over the classes."""
+
+    def compute(self, sums, rows):
+        table = per_class(sums)
+        return table["precision"][table["seen"]].mean().item()
+
+
+class Recall(Stateful):
+    """`recall`: macro recall over the classes."""
+
+    def compute(self, sums, rows):
+        table = per_class(sums)
+        return table["recall"][table["seen"]].mean().item()
+
+
+class Confusion(Stateful):
+    """The confusion matrix and the per-class table of a classification run (kept beside the metrics)."""
+
+    def compute(self, sums, rows):
+        table = per_class(sums)
+        return {"confusion_matrix": sums.long().tolist(),
+                "per_class": [{"precision": p, "recall": r, "f1": f, "support": int(s)} for p, r, f, s in
+                              zip(*(table[k].tolist() for k in ("precision", "recall", "f1", "support")))]}
+
+
+class AUROC(Stateful):
+    """`auroc`: the area under the ROC curve, exact (every real sample's score, ties counted half): binary
+    (one score per sample, or two classes) or the macro mean of one-vs-rest over the classes."""
+
+    def size(self) -> tuple:
+        return (0,)
+
+    @property
+    def width(self) -> int:
+        return self.num_classes + 1  # the class probabilities, then the target
+
+    def update(self, outputs, targets: torch.Tensor) -> None:
+        scores = predictions(outputs).detach().float()
+        if scores.dim() == 1 or scores.shape[1] == 1:  # one logit: class 1's score
+            scores = torch.stack([-scores.reshape(-1), scores.reshape(-1)], 1)
+        probabilities = scores.softmax(dim=1)
+        self.rows.append(torch.cat([probabilities.double(), targets.reshape(-1, 1).double()], 1))
+
+    def compute(self, sums, rows):
+        scores, targets = rows[:, :-1], rows[:, -1].long()
+        if self.num_classes == 2:
+            return auroc(scores[:, 1], targets == 1)
+        areas = [auroc(scores[:, c], targets == c) for c in range(self.num_classes) if (targets == c).any()
+                 and (targets != c).any()]
+        return sum(areas) / len(areas) if areas else float("nan")
+
+
+def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float:
+    """The Mann-Whitney statistic: the chance that a positive sample scores above a negative one, ties half."""
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = scores.argsort()
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=scores.dtype)
+    # Tied scores share the mean of their ranks.
+    unique, inverse, counts = torch.unique(sorted_scores, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).to(scores.dtype)
+    mean_rank = ends - (counts.to(scores.dtype) - 1) / 2
+    ranks[order] = mean_rank[inverse]
+    return ((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)).item()
+
+
+class IoU(Stateful):
+    """`iou`: mean intersection over union of segmentation outputs [B, C, H, W] against class maps
+    [B, H, W] (-100 ignored), over the classes present in the targets or the predictions."""
+
+    def size(self) -> tuple:
+        return (2, self.num_classes)  # intersections, unions
+
+    def update(self, outputs, targets: torch.Tensor) -> None:
+        predicted = class_scores(outputs, targets).argmax(dim=1)
+        keep = targets != -100
+        t, p = targets[keep].long(), predicted[keep]
+        c = self.num_classes
+        both = torch.bincount(t[t == p], minlength=c)
+        union = torch.bincount(t, minlength=c) + torch.bincount(p, minlength=c) - both
+        self.sums = self.sums.to(both.device) + torch.stack([both, union])
+
+    def compute(self, sums, rows):
+        intersection, union = sums
+        seen = union > 0
+        return (intersection[seen] / union[seen]).mean().item() if seen.any() else float("nan")
+
+
+STATEFUL: dict[str, type] = {"f1": F1, "precision": Precision, "recall": Recall, "auroc": AUROC, "iou": IoU}
+
+
+def is_stateful(metric) -> bool:
+    """A metric with state: one of the built-ins above, or an object with update, compute and reset
+    (torchmetrics' protocol; such an object combines the processes itself, as torchmetrics' do)."""
+    return all(callable(getattr(metric, name, None)) for name in ("update", "compute", "reset"))

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, summary
@@ -145,6 +146,44 @@ def test_evaluation_counts_every_sample_once(runs):
             assert results[key]["samples"] == size, f"{world} processes, size/batch {key}"
             assert results[key]["accuracy"] == reference["accuracy"], f"{world} processes, size/batch {key}"
             assert results[key]["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+
+
+def test_metrics_with_state_equal_the_whole_set_on_any_number_of_processes(runs):
+    """F1, precision, recall (macro), AUROC (one-vs-rest), torchmetrics' macro F1 and the confusion matrix, on
+    evaluation sets of 97 and 1001 samples in batches of 1, 16 and 64 per process: on 1, 2 and 3 processes
+    each equals the metric computed over the whole set at once (scikit-learn; torchmetrics for its own),
+    although Accelerate pads the last batch of every multi-process evaluation here."""
+    from sklearn.metrics import confusion_matrix, f1_score, precision_score, recall_score, roc_auc_score
+    from torchmetrics.classification import MulticlassF1Score
+
+    from acc_trainer.components import build_data, build_model
+    from acc_trainer.config import make_config
+
+    for size in EVAL["sizes"]:
+        cfg = make_config({"model": "mlp", "eval_size": size, "train_size": 64, "batch_size": 6})
+        data = build_data(cfg)
+        torch.manual_seed(0)
+        model = build_model(cfg, data).eval()
+        with torch.no_grad():
+            scores = model(torch.stack([data.eval[i][0] for i in range(size)]))
+        labels = torch.tensor([int(data.eval[i][1]) for i in range(size)])
+        predicted, probabilities = scores.argmax(1), scores.double().softmax(1)
+        present = [c for c in range(10) if (labels == c).any()]
+        expected = {
+            "f1": f1_score(labels, predicted, average="macro"),
+            "precision": precision_score(labels, predicted, average="macro", zero_division=0),
+            "recall": recall_score(labels, predicted, average="macro", zero_division=0),
+            "auroc": sum(roc_auc_score(labels == c, probabilities[:, c]) for c in present) / len(present),
+            "tm_f1": MulticlassF1Score(num_classes=10, average="macro")(scores, labels).item(),
+        }
+        matrix = confusion_matrix(labels, predicted, labels=list(range(10))).tolist()
+        for world in (1, 2, 3):
+            results = json.loads((runs[world] / "eval.json").read_text())
+            for batch in EVAL["batches"]:
+                got = results[f"{size}/{batch}"]
+                for name, value in expected.items():
+                    assert got[name] == pytest.approx(value, abs=1e-6), f"{name}, {world} processes, {size}/{batch}"
+                assert got["tables"]["confusion_matrix"] == matrix, f"{world} processes, {size}/{batch}"
 
 
 def test_every_step_sees_the_same_samples_and_epochs_reshuffle(runs):

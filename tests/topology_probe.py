@@ -7,7 +7,7 @@
 One launch runs many jobs because starting processes costs more than these small jobs. Jobs:
   train:     acc_trainer.loop.train(options); the run folder is OUT_DIR/<name>
   order:     which sample indices every optimizer step of the training loader sees, over 2 epochs
-  eval:      acc_trainer.loop.evaluate over eval sets of several sizes and batch sizes
+  eval:      acc_trainer.loop.evaluate over eval sets of several sizes and batch sizes, with metrics with state
   allreduce: a train job that also counts DDP's gradient all-reduces (bucket hooks)
   disagree:  the trainer's rank-agreement check on weights changed on process 1 only
 The main process writes OUT_DIR/<name>.json for the jobs other than train.
@@ -29,7 +29,7 @@ from acc_trainer.components import build_data, build_model
 from acc_trainer.config import make_config
 from acc_trainer.data import Data
 from acc_trainer.losses import cross_entropy
-from acc_trainer.metrics import METRICS
+from acc_trainer.metrics import AUROC, F1, METRICS, Confusion, Precision, Recall
 from acc_trainer.loaders import build_loaders, dataloader_config
 from acc_trainer.loop import evaluate, train
 from acc_trainer.processes import check_ranks_agree
@@ -81,8 +81,17 @@ def run_eval(job: dict) -> dict:
             _, eval_loader = build_loaders(cfg, data, accelerator.num_processes, accelerator.device)
             model, eval_loader = accelerator.prepare(model, eval_loader)
             results[f"{size}/{batch}"] = evaluate(accelerator, model, eval_loader, cross_entropy,
-                                                  {"accuracy": METRICS["accuracy"]})
+                                                  stateful_metrics(data.num_classes), tables={"confusion": Confusion(10)})
     return results
+
+
+def stateful_metrics(classes: int) -> dict:
+    """Accuracy (a mean of per-sample values), the built-in metrics with state, and torchmetrics' macro F1."""
+    from torchmetrics.classification import MulticlassF1Score
+
+    return {"accuracy": METRICS["accuracy"], "f1": F1(classes), "precision": Precision(classes),
+            "recall": Recall(classes), "auroc": AUROC(classes),
+            "tm_f1": MulticlassF1Score(num_classes=classes, average="macro")}
 
 
 def run_disagree(job: dict) -> dict:
