@@ -163,6 +163,11 @@ class TrainConfig:
     )
     save_best: str | None = _opt(None, "keep the checkpoint with the best evaluation 'loss' or metric (e.g. accuracy; "
                                  "lower is better for loss, mae and names ending in loss or error)", metavar="METRIC")
+    early_stop: str | None = _opt(
+        None, "stop when the evaluation 'loss' or this metric has not improved for --patience evaluations (lower is "
+        "better for loss, mae and names ending in loss or error)", metavar="METRIC")
+    patience: int = _opt(3, "--early-stop: evaluations without improvement before the run stops")
+    min_delta: float = _opt(0.0, "--early-stop: the least change that counts as an improvement", metavar="X")
     skip_bad_samples: bool = _opt(
         False, "skip optimizer steps whose batch holds a training sample that cannot be read (counted and named in "
         "the summary) instead of stopping")
@@ -182,7 +187,7 @@ class TrainConfig:
             if choices and value is not None and value not in choices:
                 kind = f.name.replace("_", " ")
                 raise ConfigError(f"unknown {kind} {value!r}; choose from {', '.join(choices)}")
-        for name in ("train_size", "eval_size", "epochs", "batch_size", "grad_accum", "log_every",
+        for name in ("train_size", "eval_size", "epochs", "batch_size", "grad_accum", "log_every", "patience",
                      "lr_step_epochs", "lr_reference_batch", "dist_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -193,7 +198,8 @@ class TrainConfig:
         for name in ("lr", "lr_gamma"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("momentum", "weight_decay", "warmup_steps", "seed", "mixup", "cutmix", "label_smoothing"):
+        for name in ("momentum", "weight_decay", "warmup_steps", "seed", "mixup", "cutmix", "label_smoothing",
+                     "min_delta"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{_flag(name)} must not be negative, got {getattr(self, name)}")
         if self.num_workers is not None and self.num_workers < 0:

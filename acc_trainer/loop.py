@@ -141,6 +141,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
                 save_checkpoint(r)
             r.clock.exclude(since)  # evaluation is not training time
             stop_if_signalled(r, signals)
+            if state.stopped_early:  # --early-stop: decided alike on every process (keep_evaluation)
+                break
     return finish(r)
 
 
@@ -631,6 +633,31 @@ def keep_evaluation(r: Run, results: dict) -> None:
     if cfg.save_best and _improves(cfg.save_best, results, state.best):
         state.best = {"step": state.step, "metric": cfg.save_best, "value": results[cfg.save_best]}
         save_checkpoint(r, BEST)
+    if cfg.early_stop:
+        _early_stop(r, results[cfg.early_stop])
+
+
+def _early_stop(r: Run, value: float) -> None:
+    """--early-stop: counts the evaluations since the metric last improved by more than --min-delta; at
+    --patience the run stops, on every process at once (the results are the same everywhere, and the
+    decision is all-reduced anyway). The counts are part of the state, so a resumed run stops where the
+    uninterrupted one does."""
+    cfg, state = r.cfg, r.state
+    lower = LOWER_IS_BETTER.search(cfg.early_stop)
+    if state.early_best is None or (value < state.early_best - cfg.min_delta if lower else
+                                    value > state.early_best + cfg.min_delta):
+        state.early_best, state.stale_evals = value, 0
+    else:
+        state.stale_evals += 1
+    stop = state.stale_evals >= cfg.patience
+    if r.world > 1:  # no process stops alone
+        stop = bool(r.accelerator.reduce(torch.tensor(float(stop), device=r.accelerator.device), "sum").item())
+    if stop:
+        state.stopped_early = {"step": state.step, "epoch": r.epoch + 1, "metric": cfg.early_stop,
+                               "best": state.early_best, "patience": cfg.patience,
+                               "reason": f"{cfg.early_stop} did not improve by more than {cfg.min_delta} for "
+                                         f"{cfg.patience} evaluations (best {state.early_best:.6g})"}
+        r.progress.print(f"early stop at step {state.step}: {state.stopped_early['reason']}")
 
 
 def _unreadable_everywhere(accelerator: Accelerator, local: list[int]) -> list[int]:
@@ -797,6 +824,7 @@ def run_summary(r: Run, ranks_agree: bool) -> dict:
         "eval_samples": final["samples"] if final else 0,
         "evals": state.evals,
         "best": state.best,
+        "stopped_early": state.stopped_early,
         **_tables(r),
         "resumed_from": str(r.resume) if r.resume else None,
         "wall_time_s": time.perf_counter() - r.started,
@@ -865,14 +893,18 @@ def _improves(metric: str, metrics: dict, best: dict | None) -> bool:
 
 
 def _check_save_best(cfg: TrainConfig, checked: Checked, data) -> None:
-    if cfg.save_best is None:
-        return
-    if data.eval is None:
-        raise ConfigError("--save-best needs an evaluation set")
+    """--save-best and --early-stop name something the run evaluates (a metric object's results, such as
+    torchmetrics' mAP dict, may be named by anything that starts with its name)."""
     evaluated = ["loss"] * checked.eval_loss + list(checked.metrics)
-    if cfg.save_best not in evaluated:
-        raise ConfigError(f"--save-best {cfg.save_best}: the run evaluates {', '.join(evaluated) or 'nothing'}"
-                          + ("" if checked.eval_loss else " (the model returns no loss in evaluation)"))
+    objects = [name for name, m in checked.metrics.items() if is_stateful(m) and not isinstance(m, Stateful)]
+    for flag, name in (("--save-best", cfg.save_best), ("--early-stop", cfg.early_stop)):
+        if name is None:
+            continue
+        if data.eval is None:
+            raise ConfigError(f"{flag} needs an evaluation set")
+        if name not in evaluated and not any(name.startswith(o) for o in objects):
+            raise ConfigError(f"{flag} {name}: the run evaluates {', '.join(evaluated) or 'nothing'}"
+                              + ("" if checked.eval_loss else " (the model returns no loss in evaluation)"))
 
 
 @contextmanager

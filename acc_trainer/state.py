@@ -138,10 +138,13 @@ class RunState:
     unreadable_samples: list[str] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)  # every evaluation's results, with step and epoch
     best: dict | None = None  # --save-best: {"step", "metric", "value"}
+    early_best: float | None = None  # --early-stop: the best value so far
+    stale_evals: int = 0  # --early-stop: evaluations since it last improved
+    stopped_early: dict | None = None  # --early-stop: why and where the run stopped
     unreadable_now: list[int] = field(default_factory=list)  # this step's unreadable indices, not saved
 
     SAVED = ("step", "skipped_steps", "bad_sample_steps", "loss_scale_skipped_steps", "unreadable_samples", "evals",
-             "best")
+             "best", "early_best", "stale_evals", "stopped_early")
 
     def saved(self, accelerator: Accelerator) -> dict:
         """For a checkpoint (every process calls this: the losses are gathered)."""

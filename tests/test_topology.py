@@ -35,6 +35,9 @@ BN = {"model": "convnet", "train_size": 256, "eval_size": 64, "batch_size": 64, 
       "lr": 0.1}
 ORDER = {"train_size": 200, "batch_size": 32, "grad_accum": 2, "epochs": 2}
 EVAL = {"sizes": [97, 1001], "batches": [1, 16, 64]}
+# Early stopping on a loss that improves by less than --min-delta after a few epochs of SGD.
+EARLY = {**BASE, **SGD, "model": "mlp", "lr": 0.002, "epochs": 30, "max_steps": None, "train_size": 256,
+         "batch_size": 64, "early_stop": "loss", "patience": 2, "min_delta": 0.02}
 
 
 def _train(name, **options):
@@ -47,6 +50,7 @@ ONE_PROCESS = [
     _train("sgd_mlp_again", **RUNS["sgd_mlp"]),
     _train("sgd_mlp_bf16", **RUNS["sgd_mlp"], mixed_precision="bf16"),
     _train("convnet", **BN),
+    _train("early", **EARLY),
     {"kind": "order", "name": "order", "options": ORDER},
     {"kind": "eval", "name": "eval", **EVAL},
 ]
@@ -60,6 +64,7 @@ TWO_PROCESSES = [
     {"kind": "order", "name": "order", "options": ORDER},
     {"kind": "eval", "name": "eval", **EVAL},
     {"kind": "disagree", "name": "disagree"},
+    _train("early", **EARLY),
 ]
 THREE_PROCESSES = [{"kind": "eval", "name": "eval", **EVAL}]
 
@@ -184,6 +189,13 @@ def test_metrics_with_state_equal_the_whole_set_on_any_number_of_processes(runs)
                 for name, value in expected.items():
                     assert got[name] == pytest.approx(value, abs=1e-6), f"{name}, {world} processes, {size}/{batch}"
                 assert got["tables"]["confusion_matrix"] == matrix, f"{world} processes, {size}/{batch}"
+
+
+def test_early_stopping_is_decided_alike_on_every_process(runs):
+    one, two = summary(runs[1] / "early"), summary(runs[2] / "early")
+    assert one["stopped_early"] is not None and 3 <= one["stopped_early"]["epoch"] < 30
+    assert two["stopped_early"]["step"] == one["stopped_early"]["step"] == one["steps"] == two["steps"]
+    assert two["stopped_early"]["best"] == pytest.approx(one["stopped_early"]["best"], rel=1e-5)
 
 
 def test_every_step_sees_the_same_samples_and_epochs_reshuffle(runs):
