@@ -14,6 +14,8 @@ _EXPORTS = {
     "fit": ("acc_trainer.loop", "fit"),
     "train": ("acc_trainer.loop", "train"),
     "check": ("acc_trainer.tools.check", "check"),
+    "evaluate": ("acc_trainer.inference", "evaluate"),  # a trained model on any set, exactly
+    "predict": ("acc_trainer.inference", "predict"),  # one row per sample, in the dataset's order
     "TrainConfig": ("acc_trainer.config", "TrainConfig"),
     "ConfigError": ("acc_trainer.config", "ConfigError"),
     "TrainingStopped": ("acc_trainer.stopping", "TrainingStopped"),

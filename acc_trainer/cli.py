@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> None:
             return report(argv[1:])
         if argv[:1] == ["check-data"]:
             return check_data(argv[1:])
+        if argv[:1] in (["evaluate"], ["predict"]):
+            from .inference import main_evaluate, main_predict
+
+            return (main_evaluate if argv[0] == "evaluate" else main_predict)(argv[1:])
         if argv[:1] == ["check"]:
             from .tools.check import main as check
 

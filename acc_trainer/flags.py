@@ -19,6 +19,8 @@ commands:
   acc-trainer bench [--processes 1,2] [options]        speed vs hand-written loops, 1 and N processes (bench --help)
   acc-trainer check [--steps N] [options]              prove the job trains the same on 1 and 2 processes and resumes exactly
   acc-trainer check-data [options]                     open every sample once; list those that cannot be read
+  acc-trainer evaluate RUN_DIR [--weights F] [--output F.json] [options]   a finished run's weights on any set
+  acc-trainer predict RUN_DIR --output F.jsonl|.csv|.npz [options]         one row per sample, in order
 
 examples:
   acc-trainer                                          default job: LeNet on generated images, ~30 s on a laptop CPU

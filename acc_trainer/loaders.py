@@ -72,17 +72,23 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
     if eval_set is None:
         return train_loader, None
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
-    guarded = reads_files(eval_set)
+    return train_loader, evaluation_loader(eval_set, per_process * world, cfg.seed, loading(eval_set), collate)
+
+
+def evaluation_loader(dataset, global_batch: int, seed: int, loading: dict | None = None,
+                      collate: Callable | None = None) -> DataLoader:
+    """The dataset in its order, `global_batch` samples a batch (Accelerate splits each between the
+    processes and pads the last one; evaluation and prediction leave that padding out)."""
+    guarded = reads_files(dataset)
     if guarded:
         eval_collate = partial(Guarded.collate, collate=collate)
     else:
-        eval_collate = InMemory.collate if isinstance(eval_set, InMemory) else collate
+        eval_collate = InMemory.collate if isinstance(dataset, InMemory) else collate
     if collate:
         eval_collate = partial(Uncollated.later, collate=eval_collate)
-    eval_loader = DataLoader(Guarded(eval_set) if guarded else eval_set, batch_size=per_process * world,
-                             shuffle=False, generator=torch.Generator().manual_seed(cfg.seed), **loading(eval_set),
-                             collate_fn=eval_collate)
-    return train_loader, eval_loader
+    return DataLoader(Guarded(dataset) if guarded else dataset, batch_size=global_batch, shuffle=False,
+                      generator=torch.Generator().manual_seed(seed), collate_fn=eval_collate,
+                      **(loading or {"num_workers": 0}))
 
 
 def on_device(loader: DataLoader | None, device: torch.device) -> bool:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only: no display needed, safe on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
@@ -115,7 +116,37 @@ def plot_run(run: Path) -> list[Path]:
                        ylabel=f"{name} (%)" if percent else name)
             fig.suptitle(f"Evaluation ({evals[-1]['eval_samples']} samples each): {title}", fontsize=10)
             written.append(save_figure(fig, folder / "eval.png"))
+        written += plot_confusion(run, folder)
     return written
+
+
+def plot_confusion(run: Path, folder: Path) -> list[Path]:
+    """<run>/plots/confusion.png: the final evaluation's confusion matrix of a classification run (rows: the
+    true class, columns: the predicted one; each row's share), from summary.json."""
+    summary = Path(run) / "summary.json"
+    matrix = json.loads(summary.read_text()).get("confusion_matrix") if summary.exists() else None
+    if not matrix:
+        return []
+    classes = json.loads(summary.read_text())["classes"]
+    counts = np.array(matrix, dtype=float)
+    shares = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    side = min(12.0, 2.5 + 0.45 * len(classes))
+    fig, ax = plt.subplots(figsize=(side + 1, side))
+    image = ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    ax.grid(False)
+    if len(classes) <= 30:
+        ax.set_xticks(range(len(classes)), classes, rotation=90 if len(classes) > 10 else 0)
+        ax.set_yticks(range(len(classes)), classes)
+    if len(classes) <= 15:
+        for i in range(len(classes)):
+            for j in range(len(classes)):
+                if counts[i, j]:
+                    ax.text(j, i, int(counts[i, j]), ha="center", va="center", fontsize=8,
+                            color="white" if shares[i, j] > 0.5 else "black")
+    ax.set(title=f"Confusion matrix ({int(counts.sum())} evaluation samples)", xlabel="predicted class",
+           ylabel="true class")
+    fig.colorbar(image, ax=ax, fraction=0.046, label="share of the true class")
+    return [save_figure(fig, folder / "confusion.png")]
 
 
 def run_title(run: Path) -> str:

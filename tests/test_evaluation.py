@@ -3,9 +3,15 @@ and `acc-trainer predict` (metrics with state on 1, 2 and 3 processes: tests/tes
 
 from __future__ import annotations
 
+import csv
+import json
 import shutil
 
-from conftest import metrics, run_here, summary
+import numpy as np
+import pytest
+import torch
+
+from conftest import check, launch, metrics, run_here, summary
 
 # An MLP on the generated 10-class images whose evaluation cannot improve (lr 1e-9): the first evaluation is
 # the best, and with --patience 2 the run stops after the third epoch (step 24 of 8 per epoch).
@@ -36,4 +42,151 @@ def test_early_stop_naming_a_metric_the_run_does_not_compute_is_one_line(tmp_pat
     result = run_here(*PLATEAU[:-4], "--early-stop", "f1", "--output-dir", tmp_path / "never")
     assert result.returncode == 2
     assert result.stderr.strip() == "acc-trainer: error: --early-stop f1: the run evaluates loss, accuracy"
+    assert not (tmp_path / "never").exists()
+
+
+# ----------------------------------------------------------------------------------------- evaluate and predict
+
+RUN = ["--model", "mlp", "--dataset", "synthetic", "--train-size", "512", "--eval-size", "101", "--batch-size", "64",
+       "--epochs", "2", "--metrics", "accuracy,f1,auroc,precision,recall", "--progress", "none"]
+API = '''
+import json, sys
+from pathlib import Path
+from safetensors.torch import load_file
+import acc_trainer
+from acc_trainer.components import build_data, build_model
+from acc_trainer.config import make_config
+
+run, out = Path(sys.argv[1]), Path(sys.argv[2])
+cfg = make_config({"model": "mlp", "dataset": "synthetic", "train_size": 512, "eval_size": 101})
+data = build_data(cfg)
+model = build_model(cfg, data)
+model.load_state_dict(load_file(run / "model.safetensors"))
+results = acc_trainer.evaluate(model, data.eval, metrics=["accuracy", "f1", "auroc", "precision", "recall"],
+                               eval_batch_size=7)
+written = acc_trainer.predict(model, data.eval, output=out / "predictions.jsonl", eval_batch_size=7)
+rows = acc_trainer.predict(model, data.eval, eval_batch_size=5)
+import torch.distributed as dist
+if dist.get_rank() == 0:
+    (out / "results.json").write_text(json.dumps({"results": results, "rows": rows, "written": str(written)}))
+'''
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished classification run with metrics with state, its plots drawn."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    result = run_here(*RUN, "--output-dir", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _model_outputs(run):
+    """The run's model called on each evaluation sample alone, in the test's own process."""
+    from safetensors.torch import load_file
+
+    from acc_trainer.components import build_data, build_model
+    from acc_trainer.config import make_config
+
+    cfg = make_config({"model": "mlp", "dataset": "synthetic", "train_size": 512, "eval_size": 101})
+    data = build_data(cfg)
+    model = build_model(cfg, data).eval()
+    model.load_state_dict(load_file(run / "model.safetensors"))
+    with torch.no_grad():
+        return [model(data.eval[i][0][None])[0] for i in range(len(data.eval))]
+
+
+def test_a_classification_run_records_its_confusion_matrix_and_per_class_table(finished):
+    s = summary(finished)
+    matrix = s["confusion_matrix"]
+    assert len(matrix) == 10 and sum(map(sum, matrix)) == 101 == s["eval_samples"]
+    assert sum(matrix[i][i] for i in range(10)) / 101 == pytest.approx(s["eval"]["accuracy"])
+    f1 = [c["f1"] for c in s["per_class"].values()]
+    assert s["eval"]["f1"] == pytest.approx(sum(f1) / len(f1))  # every class occurs in these 101 samples
+    assert (finished / "plots" / "confusion.png").stat().st_size > 10_000
+    report = run_here("report", finished)
+    assert report.returncode == 0 and "f1 0." in report.stdout and "auroc 0." in report.stdout
+
+
+def test_evaluate_gives_the_runs_final_numbers(finished, tmp_path):
+    result = run_here("evaluate", finished, "--eval-batch-size", "7", "--output", tmp_path / "eval.json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, s = json.loads((tmp_path / "eval.json").read_text()), summary(finished)
+    for name, value in s["eval"].items():
+        assert got[name] == pytest.approx(value, abs=1e-6), name  # the loss: float32 sums over other batches
+    assert got["samples"] == 101 and got["confusion_matrix"] == s["confusion_matrix"]
+    assert "on 101 samples" in result.stdout
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".npz"])
+def test_predict_writes_one_row_per_sample_in_order(finished, tmp_path, suffix):
+    out = tmp_path / f"predictions{suffix}"
+    result = run_here("predict", finished, "--output", out, "--eval-batch-size", "6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    if suffix == ".jsonl":
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        index, classes, outputs = [r["index"] for r in rows], [r["class"] for r in rows], [r["output"] for r in rows]
+    elif suffix == ".csv":
+        lines = list(csv.reader(out.read_text().splitlines()))
+        assert lines[0][:3] == ["index", "class", "output_0"]
+        index, classes = [int(r[0]) for r in lines[1:]], [int(r[1]) for r in lines[1:]]
+        outputs = [[float(v) for v in r[2:]] for r in lines[1:]]
+    else:
+        arrays = np.load(out)
+        index, classes, outputs = arrays["index"].tolist(), arrays["class"].tolist(), arrays["output"].tolist()
+    assert index == list(range(101))
+    expected = _model_outputs(finished)
+    for i, value in enumerate(expected):
+        assert outputs[i] == pytest.approx(value.tolist(), abs=1e-5) and classes[i] == int(value.argmax())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".predict-")]  # its temporary folder is gone
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_evaluate_and_predict_from_python_on_several_processes(finished, tmp_path, world):
+    """acc_trainer.evaluate and acc_trainer.predict in a script launched on 2 and 3 processes, with
+    evaluation batches (7 and 5 per process) that leave the last global batch padded."""
+    script = tmp_path / "after.py"
+    script.write_text(API)
+    check(launch(finished, tmp_path, launcher_args=["--multi_gpu", "--num_processes", world], target=[script]))
+    got = json.loads((tmp_path / "results.json").read_text())
+    s = summary(finished)
+    for name, value in s["eval"].items():
+        assert got["results"][name] == pytest.approx(value, abs=1e-6), name
+    assert got["results"]["samples"] == 101
+    written = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in written] == [r["index"] for r in got["rows"]] == list(range(101))
+    expected = _model_outputs(finished)
+    for row, other, value in zip(written, got["rows"], expected):
+        assert row["output"] == pytest.approx(value.tolist(), abs=1e-5) and row["class"] == other["class"]
+
+
+def test_bad_input_after_training_is_one_line(finished, tmp_path):
+    (tmp_path / "no_weights").mkdir()
+    shutil.copy(finished / "config.yaml", tmp_path / "no_weights" / "config.yaml")
+    cases = [
+        (["evaluate", tmp_path / "no_weights"], "model.safetensors does not exist (a run writes model.safetensors when "
+                                                "it finishes); give --weights FILE: never an evaluation of random weights"),
+        (["predict", finished, "--output", tmp_path / "p.parquet"],
+         "acc-trainer predict needs --output FILE with a suffix of .jsonl, .csv, .npz, not '.parquet'"),
+        (["evaluate", tmp_path], "holds no config.yaml: not the folder of an acc_trainer run"),
+        (["evaluate", finished, "--weights", finished / "config.yaml"], "do not load into mlp"),
+    ]
+    for args, message in cases:
+        result = run_here(*args)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and message in lines[0], (args, result.stderr)
+    assert not (tmp_path / "p.parquet").exists()
+
+
+def test_a_metric_object_without_compute_is_one_line(tmp_path):
+    import acc_trainer
+
+    class Half:
+        def update(self, preds, target):
+            pass
+
+    train = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    with pytest.raises(acc_trainer.ConfigError, match="fit: metric half is a Half without update, compute and reset"):
+        acc_trainer.fit(torch.nn.Linear(16, 4), train, train, metrics={"half": Half()}, batch_size=32,
+                        output_dir=str(tmp_path / "never"))
     assert not (tmp_path / "never").exists()

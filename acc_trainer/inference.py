@@ -1,0 +1,327 @@
+"""The model after training: evaluate it on any set, and predict, exactly, on any number of processes.
+
+    acc-trainer evaluate RUN_DIR [options] [--weights FILE] [--output FILE.json]
+    acc-trainer predict RUN_DIR --output FILE.jsonl|.csv|.npz [options] [--weights FILE] [--split eval|train]
+    acc_trainer.evaluate(model, dataset, metrics=..., batch_size=...)
+    acc_trainer.predict(model, dataset, output=None, batch_size=...)
+
+From a run folder, the model and data are rebuilt from its `config.yaml` (options given override it: another
+`--dataset`, `--data-dir`, `--eval-batch-size`), and its `model.safetensors` (or `--weights`) is loaded:
+never an evaluation of random weights. Both go through the training loop's own evaluation data path:
+the set in its order, each global batch split between the processes by Accelerate, the padding of the
+last batch left out (`loop.evaluate` counts the real samples with `gather_for_metrics`; predictions are
+gathered with it). Predictions are written by the main process as the batches arrive.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import send_to_device
+
+from . import components, processes
+from .config import ConfigError, TrainConfig, first_line
+from .data import Uncollated, reads_files
+from .loaders import dataloader_config, evaluation_loader
+from .losses import forward, predictions
+
+FORMATS = (".jsonl", ".csv", ".npz")
+
+
+# ----------------------------------------------------------------------------------------- Python
+
+
+def evaluate(model, dataset, *, loss=None, metrics=None, collate_fn=None, forward=None,
+             config: TrainConfig | None = None, **options) -> dict:
+    """`model` (with its weights loaded) evaluated on `dataset`, exactly, on every process of a launch:
+    the loss and every metric over the whole set (metrics as for `fit`; metrics with state computed once),
+    `samples`, and for classification the confusion matrix and per-class table under `tables`."""
+    from .loop import fit_config
+
+    cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
+    job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward)
+    return _evaluate(cfg, job, dataset)
+
+
+def predict(model, dataset, *, output: str | os.PathLike | None = None, collate_fn=None, forward=None,
+            config: TrainConfig | None = None, **options) -> list[dict] | Path:
+    """The model's predictions for every sample of `dataset`, in its order, one row per sample with its
+    `index` (and `class`, the highest score, for class scores). Written to `output` (.jsonl, .csv or
+    .npz) as the batches arrive, by the main process, which returns its path; without `output`, the rows
+    (every process gets them all)."""
+    from .loop import fit_config
+
+    cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
+    job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward)
+    return _predict(cfg, job, dataset, Path(output) if output else None)
+
+
+# ----------------------------------------------------------------------------------------- the pieces
+
+
+def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
+    """The processes, the Accelerator, the first-sample check and the prepared model and loader."""
+    partial_state, _, cpu, timeout = processes.start(cfg)
+    checked = components.check_fit(job)
+    accelerator = Accelerator(cpu=cpu, mixed_precision=cfg.mixed_precision, dataloader_config=dataloader_config(cfg),
+                              kwargs_handlers=[timeout])
+    world = accelerator.num_processes
+    per_process = cfg.eval_batch_size or max(1, cfg.batch_size // (world * cfg.grad_accum))
+    loader = evaluation_loader(dataset, per_process * world, cfg.seed, collate=job.collate)
+    model, loader = accelerator.prepare(job.model, loader)
+    return accelerator, model, loader, checked
+
+
+def _evaluate(cfg: TrainConfig, job: components.Workload, dataset) -> dict:
+    from .loop import evaluate as evaluate_loop
+
+    accelerator, model, loader, checked = _prepared(cfg, job, dataset)
+    results = evaluate_loop(accelerator, model, loader, checked.loss if checked.eval_loss else None, checked.metrics,
+                            guarded=reads_files(dataset), forward_fn=job.forward, tables=checked.tables)
+    results.pop("unreadable", None)
+    if results.pop("unreadable_indices", None):
+        raise ConfigError("some samples cannot be read; acc-trainer check-data lists them")
+    return results
+
+
+def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None):
+    accelerator, model, loader, _ = _prepared(cfg, job, dataset)
+    model.eval()
+    writer = Writer(output, len(dataset), getattr(dataset, "classes", None)) if accelerator.is_main_process else None
+    rows, index = [], 0
+    guarded = reads_files(dataset)
+    with torch.no_grad(), _progress(accelerator.is_main_process and output is not None, len(loader)) as advance:
+        for batch in loader:
+            if isinstance(batch, Uncollated):
+                batch = send_to_device(batch.first(len(batch)), accelerator.device)
+            if guarded:
+                batch, _ = batch
+            outputs, _ = (job.forward or forward)(model, batch)
+            # gather_for_metrics: every process's share of the global batch, in order, the last batch's padding dropped
+            gathered = accelerator.gather_for_metrics(_per_sample(outputs), use_gather_object=not isinstance(
+                _per_sample(outputs), torch.Tensor))
+            batch_rows = _rows(gathered, index)
+            index += len(batch_rows)
+            if writer:
+                writer.write(batch_rows)
+            if output is None:
+                rows += batch_rows
+            advance()
+    if writer:
+        writer.close()
+    accelerator.wait_for_everyone()
+    return output if output is not None else rows
+
+
+def _per_sample(outputs):
+    """What is gathered of a batch's outputs: the predictions tensor (class scores, values), or for other
+    outputs (a detector's list of dicts) one plain object per sample."""
+    try:
+        return predictions(outputs).detach().float()
+    except ValueError:
+        return [_plain(o) for o in outputs]
+
+
+def _plain(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().tolist()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _rows(gathered, start: int) -> list[dict]:
+    if isinstance(gathered, torch.Tensor):
+        values = gathered.cpu()
+        rows = []
+        for i, value in enumerate(values):
+            row = {"index": start + i}
+            if value.dim() == 1 and value.numel() > 1:
+                row["class"] = int(value.argmax())
+            row["output"] = value.tolist() if value.numel() > 1 else value.item()
+            rows.append(row)
+        return rows
+    return [{"index": start + i, "output": value} for i, value in enumerate(gathered)]
+
+
+class _progress:
+    """A rich progress bar over the batches on the main process (nothing on the others)."""
+
+    def __init__(self, show: bool, total: int):
+        self.show, self.total = show, total
+
+    def __enter__(self):
+        if not self.show:
+            return lambda: None
+        from rich.progress import Progress
+
+        self.bar = Progress(transient=True)
+        self.bar.start()
+        task = self.bar.add_task("predicting", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.show:
+            self.bar.stop()
+
+
+class Writer:
+    """Rows to a .jsonl or .csv file line by line, or to .npz arrays filled as they come (memory-mapped
+    .npy files, zipped at the end): a large set never sits in memory whole."""
+
+    def __init__(self, path: Path | None, size: int, classes=None):
+        self.path, self.size, self.classes, self.done = path, size, classes, 0
+        if path is None:
+            return
+        self.folder = Path(tempfile.mkdtemp(prefix=".predict-", dir=path.parent))
+        self.file = None if path.suffix == ".npz" else open(self.folder / path.name, "w", newline="")
+        self.arrays = {}
+
+    def write(self, rows: list[dict]) -> None:
+        if self.path is None or not rows:
+            return
+        if self.path.suffix == ".jsonl":
+            self.file.write("".join(json.dumps(r) + "\n" for r in rows))
+        elif self.path.suffix == ".csv":
+            self._csv(rows)
+        else:
+            self._npz(rows)
+        self.done += len(rows)
+
+    def _csv(self, rows: list[dict]) -> None:
+        if not isinstance(rows[0]["output"], (list, int, float)) or isinstance(rows[0]["output"], list) and \
+                rows[0]["output"] and isinstance(rows[0]["output"][0], (list, dict)):
+            raise ConfigError("predict: these outputs are not a table of numbers; write them as .jsonl")
+        flat = [r["output"] if isinstance(r["output"], list) else [r["output"]] for r in rows]
+        if self.done == 0:
+            self.csv = csv.writer(self.file)
+            self.csv.writerow(["index", *(["class"] if "class" in rows[0] else []),
+                               *(f"output_{i}" for i in range(len(flat[0])))])
+        for r, values in zip(rows, flat):
+            self.csv.writerow([r["index"], *([r["class"]] if "class" in r else []), *values])
+
+    def _npz(self, rows: list[dict]) -> None:
+        import numpy as np
+
+        if isinstance(rows[0]["output"], dict):
+            raise ConfigError("predict: these outputs are not arrays; write them as .jsonl")
+        columns = {"index": [r["index"] for r in rows], "output": [r["output"] for r in rows]}
+        if "class" in rows[0]:
+            columns["class"] = [r["class"] for r in rows]
+        for name, values in columns.items():
+            values = np.asarray(values)
+            if name not in self.arrays:
+                self.arrays[name] = np.lib.format.open_memmap(self.folder / f"{name}.npy", mode="w+", dtype=values.dtype,
+                                                              shape=(self.size, *values.shape[1:]))
+            self.arrays[name][self.done: self.done + len(values)] = values
+
+    def close(self) -> None:
+        if self.path is None:
+            return
+        if self.file is not None:
+            self.file.close()
+            os.replace(self.folder / self.path.name, self.path)
+        else:
+            for array in self.arrays.values():
+                array.flush()
+            with zipfile.ZipFile(self.folder / self.path.name, "w", zipfile.ZIP_STORED) as archive:
+                for name in self.arrays:
+                    archive.write(self.folder / f"{name}.npy", f"{name}.npy")
+            os.replace(self.folder / self.path.name, self.path)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------- the command line
+
+
+def _run_options(argv: list[str], command: str) -> tuple[TrainConfig, Path, Path, Path | None, str, list[str]]:
+    """RUN_DIR, --weights, --output, --split and the training options over the run's config.yaml."""
+    from .flags import parse_config
+
+    if not argv or argv[0].startswith("-"):
+        raise ConfigError(f"acc-trainer {command} RUN_DIR: give the folder of a finished run first")
+    run, rest = Path(argv[0]), list(argv[1:])
+    taken = {}
+    for flag in ("--weights", "--output", "--split"):
+        if flag in rest:
+            i = rest.index(flag)
+            if i + 1 >= len(rest):
+                raise ConfigError(f"{flag} takes a value")
+            taken[flag] = rest[i + 1]
+            del rest[i:i + 2]
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"{run} holds no config.yaml: not the folder of an acc_trainer run")
+    weights = Path(taken.get("--weights") or run / "model.safetensors")
+    if not weights.is_file():
+        raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give --weights "
+                          "FILE: never an evaluation of random weights")
+    output = Path(taken["--output"]) if "--output" in taken else None
+    split = taken.get("--split", "eval")
+    if split not in ("eval", "train"):
+        raise ConfigError(f"--split takes eval or train, not {split!r}")
+    cfg = parse_config(["--config", str(run / "config.yaml"), *rest])
+    return cfg, run, weights, output, split, rest
+
+
+def _workload(cfg: TrainConfig, weights: Path, split: str):
+    from accelerate.utils import set_seed
+    from safetensors.torch import load_file
+
+    processes.start(cfg)
+    set_seed(cfg.seed)
+    job = components.build_workload(cfg)
+    try:
+        state = load_file(weights) if weights.suffix == ".safetensors" else torch.load(weights, weights_only=True,
+                                                                                        map_location="cpu")
+        job.model.load_state_dict(state)
+    except Exception as e:  # noqa: BLE001 - a file that is not these weights is the user's input
+        raise ConfigError(f"the weights {weights} do not load into {cfg.model}: {type(e).__name__}: "
+                          f"{first_line(e)}") from None
+    dataset = job.data.eval if split == "eval" else job.data.train
+    if dataset is None:
+        raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")
+    # The first-sample check and everything after it read this split only.
+    job.data = components.Data(dataset, None, job.data.task, job.data.num_classes, job.data.input_shape)
+    return job, dataset
+
+
+def main_evaluate(argv: list[str]) -> None:
+    """`acc-trainer evaluate RUN_DIR [options] [--weights FILE] [--output FILE.json]`."""
+    cfg, run, weights, output, split, _ = _run_options(argv, "evaluate")
+    if output is not None and output.suffix != ".json":
+        raise ConfigError(f"--output {output}: evaluate writes .json")
+    job, dataset = _workload(cfg, weights, split)
+    results = _evaluate(cfg, job, dataset)
+    if PartialState().is_main_process:
+        from .loop import _format_eval
+
+        tables = results.pop("tables", {})
+        print(f"{cfg.model} ({weights}) on {cfg.dataset} ({split}): {_format_eval(results)}")
+        if output is not None:
+            output.write_text(json.dumps({**results, **tables, "weights": str(weights), "split": split}, indent=1))
+
+
+def main_predict(argv: list[str]) -> None:
+    """`acc-trainer predict RUN_DIR --output FILE [options] [--weights FILE] [--split eval|train]`."""
+    cfg, run, weights, output, split, _ = _run_options(argv, "predict")
+    if output is None or output.suffix not in FORMATS:
+        raise ConfigError(f"acc-trainer predict needs --output FILE with a suffix of {', '.join(FORMATS)}"
+                          + (f", not {output.suffix or output.name!r}" if output is not None else ""))
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    job, dataset = _workload(cfg, weights, split)
+    written = _predict(cfg, job, dataset, output)
+    if PartialState().is_main_process:
+        print(f"predictions of {cfg.model} for {len(dataset)} samples of {cfg.dataset} ({split}) in {written}",
+              file=sys.stdout)
