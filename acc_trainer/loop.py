@@ -563,9 +563,11 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
     model.eval()
     stateful = {name: m for name, m in {**metrics, **(tables or {})}.items() if is_stateful(m)}
     metrics = {name: m for name, m in metrics.items() if name not in stateful}
+    builtin = {name: m for name, m in stateful.items() if isinstance(m, Stateful)}
+    objects = {name: m for name, m in stateful.items() if name not in builtin}  # torchmetrics' and the like
     for metric in stateful.values():
         metric.reset()
-        if hasattr(metric, "to") and not isinstance(metric, Stateful):  # a torchmetrics object: where the outputs are
+        if hasattr(metric, "to") and metric in objects.values():  # a torchmetrics object: where the outputs are
             metric.to(accelerator.device)
     # loss total, loss count (items or samples), each metric's total, samples
     totals = torch.zeros(len(metrics) + 3, dtype=torch.float64, device=accelerator.device)
@@ -590,6 +592,10 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
             batch = model_inputs(batch, channels_last, input_dtype)
             outputs, targets, loss = batch_loss(model, batch, loss_fn, forward_fn)
             has_loss = has_loss and loss is not None  # the same on every process: each calls the model
+            if objects:  # every process's real samples, to every process (a collective: before the skip below)
+                shared = _everyones(accelerator, metric_input(outputs), targets, real)
+                for metric in objects.values():
+                    metric.update(*shared)
             if real == 0:
                 continue
             loss_total = [totals.new_zeros(()), totals.new_zeros(())]
@@ -598,8 +604,8 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
                     _sample_sum(loss.value, real), totals.new_tensor(real)]
             values = [_sample_sum(metric(outputs, targets), real) for metric in metrics.values()]
             totals += torch.stack([*loss_total, *values, totals.new_tensor(real)])
-            for metric in stateful.values():
-                metric.update(outputs if isinstance(metric, Stateful) else metric_input(outputs), targets)
+            for metric in builtin.values():
+                metric.update(outputs, targets)
     model.train()
     totals = accelerator.reduce(totals, "sum").tolist()
     count = int(totals[-1])
@@ -675,6 +681,12 @@ def merged_metric(accelerator: Accelerator, metric):
     its per-sample rows gathered, exactly the real samples of each process; an object of another kind
     (torchmetrics') combines the processes itself in `compute`, which every process calls."""
     if not isinstance(metric, Stateful):
+        # Every process updated it with every process's real samples (`_everyones`), so it must not gather them
+        # again: torchmetrics' own synchronisation is turned off (its list states, mAP's, would need as many
+        # updates on every process, which an exact evaluation cannot give: the last batch's real samples are
+        # not spread evenly).
+        if hasattr(metric, "sync_on_compute"):
+            metric.sync_on_compute = metric._to_sync = False
         return metric.compute()
     several = accelerator.num_processes > 1
     sums = accelerator.reduce(metric.sums.to(accelerator.device), "sum").cpu() if several else metric.sums.cpu()
@@ -690,13 +702,40 @@ def merged_metric(accelerator: Accelerator, metric):
     return metric.compute(sums, rows)
 
 
+def _everyones(accelerator: Accelerator, predictions, targets, real: int) -> tuple:
+    """This batch's real samples (predictions and targets) of every process, in process order, on every
+    process: for metric objects, which then need no distributed code of their own."""
+    mine = (_first(predictions, real), _first(targets, real))
+    if accelerator.num_processes == 1:
+        return mine
+    parts = gather_object([send_to_device(mine, "cpu")])
+    return tuple(send_to_device(_joined([part[i] for part in parts]), accelerator.device) for i in (0, 1))
+
+
+def _first(values, n: int):
+    if isinstance(values, torch.Tensor) and values.dim() or isinstance(values, (list, tuple)):
+        return values[:n]
+    if isinstance(values, Mapping):
+        return {k: _first(v, n) for k, v in values.items()}
+    return values
+
+
+def _joined(parts: list):
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.dim() else first
+    if isinstance(first, Mapping):
+        return {k: _joined([p[k] for p in parts]) for k in first}
+    return [item for part in parts for item in part]
+
+
 def _as_numbers(name: str, value) -> dict:
     """A metric's result as named numbers: one number, or each number of a dict (torchmetrics' mAP gives map,
     map_50, ...: kept by their own names when they start with the metric's, else as name_key)."""
     if isinstance(value, dict):
         out = {}
         for key, v in value.items():
-            if isinstance(v, torch.Tensor) and v.numel() == 1 or isinstance(v, (int, float)):
+            if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point() or isinstance(v, float):
                 out[key if key.startswith(name) else f"{name}_{key}"] = float(v)
         return out
     return {name: float(value)}

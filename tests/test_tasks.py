@@ -171,16 +171,26 @@ def test_a_detector_trains_on_one_process_with_its_losses_logged_by_name(detecti
 
 
 def test_a_detector_on_two_processes_is_the_same_run(detection, tmp_path):
+    """With a per-image metric and torchmetrics' mAP (a metric object: updated with the real samples only,
+    combined across the processes by torchmetrics)."""
+    from torchmetrics.detection import MeanAveragePrecision
+
     train, evaluation = detection.rectangles(256, 37)
     torch.manual_seed(0)
-    rows = _rows(acc_trainer_check(detection.TinyDetector(), train, evaluation, collate_fn=detection.collate,
-                                   forward="with_targets", metrics={"recall": detection.recall}, steps=4, batch_size=16,
-                                   optimizer="sgd", lr=0.05, output_dir=str(tmp_path)))
+    # A low score threshold: after a few steps the detector's boxes are found, and ranked by score, for mAP.
+    rows = _rows(acc_trainer_check(detection.TinyDetector(threshold=0.05), train, evaluation,
+                                   collate_fn=detection.collate, forward="with_targets",
+                                   metrics={"recall": detection.recall, "map": MeanAveragePrecision()},
+                                   steps=12, batch_size=16, optimizer="sgd", lr=0.05, output_dir=str(tmp_path)))
     for name in ("2 processes vs 1", "--grad-accum 2 vs 1 process", "same start, same samples at every step",
-                 "stopped at step 2 and resumed", "the same run twice"):
+                 "stopped at step 6 and resumed", "the same run twice"):
         assert rows[name]["result"] == "PASS", rows[name]
     assert rows["evaluation counts every sample once"]["measured"] == "37 samples on 1 process, 37 on 2"
-    assert summary(tmp_path / "two")["eval"]["recall"] == pytest.approx(summary(tmp_path / "base")["eval"]["recall"])
+    one, two = summary(tmp_path / "base")["eval"], summary(tmp_path / "two")["eval"]
+    assert two["recall"] == pytest.approx(one["recall"])
+    assert {"map", "map_50", "map_75", "map_mar_100"} <= set(one) and 0 < one["map_50"] <= 1
+    for name in ("map", "map_50", "map_mar_100"):
+        assert two[name] == pytest.approx(one[name], abs=1e-6), name
 
 
 # ----------------------------------------------------------------------------------------- unused parameters
