@@ -190,3 +190,19 @@ def test_a_metric_object_without_compute_is_one_line(tmp_path):
         acc_trainer.fit(torch.nn.Linear(16, 4), train, train, metrics={"half": Half()}, batch_size=32,
                         output_dir=str(tmp_path / "never"))
     assert not (tmp_path / "never").exists()
+
+
+def test_iou_of_segmentation_outputs_over_batches():
+    """`iou` sums intersections and unions per class over the batches (labels of -100 left out)."""
+    from acc_trainer.metrics import IoU
+
+    g = torch.Generator().manual_seed(0)
+    scores, targets = torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 3, (6, 8, 8), generator=g)
+    targets[0, :2] = -100
+    metric = IoU.for_outputs(scores, targets)
+    metric.update(scores[:4], targets[:4])
+    metric.update(scores[4:], targets[4:])
+    predicted, keep = scores.argmax(1), targets != -100
+    expected = [((predicted == c) & (targets == c) & keep).sum().double() / (((predicted == c) | (targets == c)) & keep).sum()
+                for c in range(3)]
+    assert metric.compute(metric.sums, None) == pytest.approx(float(sum(expected) / 3), abs=1e-12)
