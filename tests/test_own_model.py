@@ -245,7 +245,7 @@ BAD_USER_INPUT = [
     (["--loss", "my_metrics:per_sample_loss"], "loss my_metrics:per_sample_loss returned [2] float32; it must return one number"),
     (["--loss", "mse"], "loss mse does not fit the outputs of my_model:Net ([2, 4] float32)"),
     (["--loss", "focal"], "unknown loss 'focal'; choose from cross_entropy, mse"),
-    (["--metrics", "f1"], "unknown metric 'f1'; choose from accuracy, top5, mae"),
+    (["--metrics", "f2"], "unknown metric 'f2'; choose from accuracy, top5, mae, f1, precision, recall, auroc, iou"),
     (["--save-best", "f1"], "--save-best f1: the run evaluates loss, accuracy"),
     (["--dataset", "my_data:not_a_pair"], "dataset factory my_data:not_a_pair returned TensorDataset; it must return a pair"),
     (["--model", "torchvision:resnet999"], "--model torchvision:resnet999: torchvision has no classification model 'resnet999'"),

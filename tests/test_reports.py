@@ -15,7 +15,7 @@ from conftest import check, run_cli, run_here, summary
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PLOTS = {"loss.png", "eval.png", "lr.png", "throughput.png", "time_split.png"}
+PLOTS = {"loss.png", "eval.png", "lr.png", "throughput.png", "time_split.png", "confusion.png"}  # a classification run
 
 
 def assert_png(path: Path, min_side: int = 300) -> None:
