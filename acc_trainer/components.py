@@ -26,6 +26,7 @@ import sys
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from functools import partial
 from typing import Any, Callable
 
@@ -58,6 +59,8 @@ class Workload:
     loss_name: str | None = None
     collate: Callable | None = None  # list of samples -> batch; None: torch's default_collate
     forward: Callable | None = None  # (model, batch) -> (outputs, targets); None: losses.forward
+    optimizer: Callable | None = None  # factory(param_groups) -> Optimizer (fit); None: --optimizer
+    scheduler: Callable | None = None  # factory(optimizer, total_steps) -> scheduler (fit); None: --scheduler
 
 
 def import_object(path: str, what: str) -> Any:
@@ -160,12 +163,15 @@ def build_data(cfg: TrainConfig) -> Data:
 def build_model(cfg: TrainConfig, data: Data) -> nn.Module:
     spec, args = cfg.model, dict(cfg.model_args or {})
     known = {"num_classes": data.num_classes, "input_shape": data.input_shape, "data": data}
-    if spec in MODELS:
+    if spec in MODELS and not cfg.pretrained:
         model = call_factory(MODELS[spec], args, known, f"model {spec}")
     elif spec.startswith("torchvision:"):
-        model = _zoo_model(spec, args, data, _torchvision_models())
+        model = _zoo_model(spec, args, data, _torchvision_models(cfg.pretrained), cfg.pretrained)
     elif spec.startswith("timm:"):
-        model = _zoo_model(spec, args, data, _timm_models())
+        model = _zoo_model(spec, args, data, _timm_models(cfg.pretrained), cfg.pretrained)
+    elif cfg.pretrained:
+        raise ConfigError(f"--pretrained applies to torchvision:<name> and timm:<name> models; for {spec}, load your "
+                          "weights with --init-from FILE")
     else:
         model = call_factory(import_object(spec, "--model"), args, known, f"model factory {spec}")
     if not isinstance(model, nn.Module):
@@ -173,20 +179,27 @@ def build_model(cfg: TrainConfig, data: Data) -> nn.Module:
     return model
 
 
-def _torchvision_models() -> tuple[Callable, list[str]]:
+def _torchvision_models(pretrained: bool = False) -> tuple[Callable, list[str]]:
     models = torchvision().models
-    return (lambda name, **kw: models.get_model(name, weights=None, **kw)), models.list_models(module=models)
+
+    def create(name: str, num_classes: int | None = None, **kw):
+        if not pretrained:
+            return models.get_model(name, weights=None, **({"num_classes": num_classes} if num_classes else {}), **kw)
+        # The weights fix the head's size (1000 ImageNet classes): built with it, then given a fresh head.
+        return _new_head(models.get_model(name, weights="DEFAULT", **kw), num_classes)
+
+    return create, models.list_models(module=models)
 
 
-def _timm_models() -> tuple[Callable, list[str]]:
+def _timm_models(pretrained: bool = False) -> tuple[Callable, list[str]]:
     if importlib.util.find_spec("timm") is None:
         raise ConfigError('timm models need the timm package: pip install "acc_trainer[timm]" (or pip install timm)')
     import timm
 
-    return (lambda name, **kw: timm.create_model(name, pretrained=False, **kw)), timm.list_models()
+    return (lambda name, **kw: timm.create_model(name, pretrained=pretrained, **kw)), timm.list_models()
 
 
-def _zoo_model(spec: str, args: dict, data: Data, zoo: tuple[Callable, list[str]]) -> nn.Module:
+def _zoo_model(spec: str, args: dict, data: Data, zoo: tuple[Callable, list[str]], pretrained: bool = False) -> nn.Module:
     create, names = zoo
     library, _, name = spec.partition(":")
     if name not in names:
@@ -198,7 +211,45 @@ def _zoo_model(spec: str, args: dict, data: Data, zoo: tuple[Callable, list[str]
             raise ConfigError(f"--model {spec} needs num_classes: the dataset does not say how many classes it has; "
                               "set it with --model-args '{num_classes: N}'")
         args["num_classes"] = data.num_classes
-    return call_factory(lambda **kw: create(name, **kw), args, {}, f"{spec}")
+    if not pretrained:
+        return call_factory(lambda **kw: create(name, **kw), args, {}, f"{spec}")
+    from accelerate import PartialState
+
+    # The main process downloads the weights (once, into the cache) while the others wait, then they read them;
+    # an error is raised after the context, so that no process is left at its barrier.
+    error = None
+    with PartialState().main_process_first():
+        try:
+            model = create(name, **args)
+        except Exception as e:  # noqa: BLE001 - reported below in one line
+            error = e
+    if error is not None:
+        raise ConfigError(_offline(spec, library, name, error)) from None
+    return model
+
+
+def _new_head(model: nn.Module, num_classes: int | None) -> nn.Module:
+    """The model with its last Linear layer (torchvision's classifiers' head) made for `num_classes`."""
+    heads = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if num_classes is None or not heads or heads[-1][1].out_features == num_classes:
+        return model
+    path, old = heads[-1]
+    parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+    setattr(parent, path.rpartition(".")[2], nn.Linear(old.in_features, num_classes, bias=old.bias is not None))
+    return model
+
+
+def _offline(spec: str, library: str, name: str, error: Exception) -> str:
+    """Where to put the pretrained weights when they cannot be downloaded."""
+    if library == "torchvision":
+        import torch.hub
+
+        url = torchvision().models.get_model_weights(name).DEFAULT.url
+        return (f"--pretrained: the weights of {spec} cannot be downloaded ({type(error).__name__}: {first_line(error)}); "
+                f"put {url.rpartition('/')[2]} (from {url}) in {Path(torch.hub.get_dir()) / 'checkpoints'}, or give "
+                "--init-from FILE")
+    return (f"--pretrained: timm cannot load the weights of {name} ({type(error).__name__}: {first_line(error)}); with no "
+            "network, put them in the Hugging Face cache (HF_HOME) or give --init-from FILE")
 
 
 def build_loss(spec: str) -> Callable:

@@ -115,13 +115,38 @@ class TrainConfig:
         None, "evaluation batch PER PROCESS (default: the per-process training micro-batch); results do not depend on it"
     )
 
+    # Starting point (fine-tuning).
+    init_from: str | None = _opt(
+        None, "start from these weights: a .safetensors file, a torch state dict (.pt, .pth, .bin), or a run folder or "
+        "checkpoint of acc_trainer; tensors whose shape differs (another head) keep their fresh initialisation",
+        metavar="PATH")
+    init_strict: bool = _opt(False, "--init-from: refuse weights that do not match the model exactly")
+    pretrained: bool = _opt(False, "torchvision:<name> and timm:<name> models: start from the library's pretrained "
+                                   "weights (downloaded once into its cache), with a new head for the data's classes")
+    freeze: str | None = _opt(
+        None, "keep the parameters whose names match this regular expression as they are (BatchNorm layers among "
+        "them keep their statistics), e.g. '^(?!fc\\.)' for all but a ResNet's head", metavar="REGEX")
+    unfreeze_at: int | None = _opt(None, "--freeze: train the frozen parameters from this epoch on (1 is the first)",
+                                   metavar="EPOCH")
+    param_groups: dict | None = _opt(
+        None, "per-parameter options, a YAML mapping from a regular expression on parameter names (the first that "
+        "matches) to lr_mult and/or weight_decay, e.g. '{\"^layer[12]\\.\": {lr_mult: 0.1}}'", metavar="MAPPING")
+    no_decay_norm_bias: bool = _opt(False, "no weight decay on biases and normalisation weights (1-dim parameters)")
+    layer_decay: float | None = _opt(
+        None, "layer-wise learning-rate decay: a layer at depth d of D gets lr x X^(D - d) (ResNets, ViTs, ConvNeXts)",
+        metavar="X")
+
     # Optimisation.
-    optimizer: str = _opt("adam", "optimizer", choices=OPTIMIZERS)
+    optimizer: str = _opt("adam", "optimizer: sgd, adam, adamw, or an import path pkg.module:Class taking parameter "
+                                  "groups (e.g. torch.optim:RAdam)", metavar="NAME|PATH")
+    optimizer_args: dict | None = _opt(None, "keyword arguments for --optimizer, a YAML/JSON mapping (lr and the groups "
+                                             "are the trainer's)", metavar="MAPPING")
     lr: float = _opt(1e-3, "learning rate (before --scale-lr)")
     momentum: float = _opt(0.9, "SGD momentum")
     nesterov: bool = _opt(False, "use Nesterov momentum with SGD")
     weight_decay: float = _opt(0.0, "weight decay (decoupled for adamw, L2 for sgd and adam)")
-    scheduler: str = _opt("constant", "learning-rate schedule", choices=SCHEDULERS)
+    scheduler: str = _opt("constant", f"learning-rate schedule: {', '.join(SCHEDULERS)}, or an import path "
+                                      "pkg.module:factory(optimizer, total_steps)", metavar="NAME|PATH")
     warmup_steps: int = _opt(0, "linear warmup from 0 over this many optimizer steps")
     lr_step_epochs: int = _opt(1, "'step' schedule: multiply the LR by --lr-gamma every this many epochs")
     lr_gamma: float = _opt(0.1, "'step' schedule: decay factor")
@@ -228,6 +253,15 @@ class TrainConfig:
             raise ConfigError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARDS)}, or give an import "
                               "path pkg.module:function")
         self._checkpoint_parts()  # parses --checkpoint-every
+        for name, builtins in (("optimizer", OPTIMIZERS), ("scheduler", SCHEDULERS)):
+            value = getattr(self, name)
+            if value not in builtins and not IMPORT_PATH.match(value):
+                raise ConfigError(f"unknown {name} {value!r}; choose from {', '.join(builtins)}, or give an import path "
+                                  "pkg.module:attr")
+        if self.unfreeze_at is not None and (self.freeze is None or self.unfreeze_at < 1):
+            raise ConfigError("--unfreeze-at takes an epoch from 1 on, with --freeze")
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
+            raise ConfigError(f"--layer-decay takes a factor in (0, 1], got {self.layer_decay}")
         if self.nesterov and self.optimizer != "sgd":
             raise ConfigError("--nesterov applies to --optimizer sgd only")
         return self

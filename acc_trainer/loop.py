@@ -51,7 +51,7 @@ from .losses import Loss, as_loss, cross_entropy, forward, model_loss
 from .metrics import Stateful, is_stateful
 from .measure import device_peak_flops, flops_per_sample, library_versions, peak_memory_mb
 from .models import sync_batchnorm
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, param_groups
 from .progress import Progress, format_metric, summary_table
 from .runfiles import RunFiles, lock_run_folder, output_dir
 from .state import Clock, IntervalLosses, RunState
@@ -70,7 +70,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
-        config: TrainConfig | None = None, **options) -> dict:
+        optimizer=None, scheduler=None, config: TrainConfig | None = None, **options) -> dict:
     """Train `model` (a plain nn.Module) on `train_data`, evaluating on `eval_data` after every epoch.
 
     Datasets are map-style and yield `(inputs, targets)` or dicts of tensors (the model is then
@@ -80,13 +80,26 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     `(sum, count)` over items (tokens, boxes), normalised over the whole global batch (losses.py).
     `metrics`: a dict of name -> `metric(outputs, targets)` (one value per sample) or built-in names.
     `collate_fn(samples) -> batch` batches samples of different sizes; `forward(model, batch) ->
-    (outputs, targets)` replaces the default model call (or "with_targets"). `options` are TrainConfig
-    fields (`epochs=3, batch_size=256, ...`), applied over `config`. Every process of a launch calls
-    this with the same arguments; returns the run summary.
+    (outputs, targets)` replaces the default model call (or "with_targets"). `optimizer`: a name or
+    `factory(param_groups) -> Optimizer`; `scheduler`: a name or `factory(optimizer, total_steps)`. `options`
+    are TrainConfig fields (`epochs=3, batch_size=256, init_from="w.pt", ...`), applied over `config`. Every
+    process of a launch calls this with the same arguments; returns the run summary.
     """
+    factories = {}
+    for name, given, kind in (("optimizer", optimizer, torch.optim.Optimizer),
+                              ("scheduler", scheduler, torch.optim.lr_scheduler.LRScheduler)):
+        if isinstance(given, kind):
+            raise ConfigError(f"fit: {name}= takes a name or a factory ({'factory(param_groups)' if name == 'optimizer' else 'factory(optimizer, total_steps)'}), "
+                              f"not a {type(given).__name__} object: the trainer builds the parameter groups")
+        if isinstance(given, str):
+            options[name] = given
+        elif given is not None:
+            factories[name] = components._callable(given, repr(given), f"fit: {name}")
     cfg = fit_config(model, train_data, config, options, collate_fn, forward)
-    return run(cfg, components.from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
-                                            forward or cfg.forward))
+    job = components.from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
+                                  forward or cfg.forward)
+    job.optimizer, job.scheduler = factories.get("optimizer"), factories.get("scheduler")
+    return run(cfg, job)
 
 
 def fit_config(model, train_data, config: TrainConfig | None, options: dict, collate_fn=None,
@@ -166,6 +179,7 @@ class Run:
     loss_per: str  # item, sample or position (components.Checked)
     item_scale: float  # items of one process's micro-batch, about (see normalise_gradients)
     unused: list[str]  # parameters the first samples left without a gradient
+    tuning: dict  # --init-from's report, --freeze's parameters and norm layers (_fine_tuning)
     metrics: dict
     tables: dict  # metrics with state whose results are tables (the confusion matrix)
     augment: Any  # augment.Augment or None
@@ -210,6 +224,8 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     accelerator, engine, out, resume, resumed, checked = _accelerator(cfg, job)
     model, loss_fn, metrics, augment, flops, notes, shapes = _pieces(cfg, job, accelerator, engine, resume, resumed,
                                                                      checked)
+    tuning = _fine_tuning(cfg, model, resumed)  # --init-from, --freeze (before the groups and prepare)
+    notes += tuning["notes"]
     optimizer, scheduler, per_epoch, total_steps = _optimizer(cfg, model, job)
     world = accelerator.num_processes
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate)
@@ -243,6 +259,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
             scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader, loss_fn=loss_fn,
             eval_loss_fn=loss_fn if checked.eval_loss else None,
             loss_name=checked.loss_name, items=checked.items, loss_per=checked.loss_per, item_scale=checked.item_scale, unused=checked.unused,
+            tuning=tuning,
             metrics=metrics, tables=checked.tables, augment=augment, ema=ema, averaged=averaged, input_dtype=input_dtype,
             total_steps=total_steps, per_epoch=per_epoch, epochs=epochs, checkpoint_steps=cfg.checkpoint_steps,
             flops=flops, parameters=shapes, notes=notes, out=out, resume=resume, start_step=state.step, files=files,
@@ -355,8 +372,39 @@ def _optimizer(cfg: TrainConfig, model, job: Workload) -> tuple:
     per_epoch = steps_per_epoch(job.data, cfg)
     total_steps = cfg.max_steps or cfg.epochs * per_epoch
     lr = cfg.lr * cfg.batch_size / cfg.lr_reference_batch if cfg.scale_lr else cfg.lr
-    optimizer = build_optimizer(cfg, model.parameters(), lr)
-    return optimizer, build_scheduler(cfg, optimizer, lr, total_steps, per_epoch), per_epoch, total_steps
+    optimizer = build_optimizer(cfg, param_groups(cfg, model, lr), lr, job.optimizer)
+    return optimizer, build_scheduler(cfg, optimizer, lr, total_steps, per_epoch, job.scheduler), per_epoch, total_steps
+
+
+def _fine_tuning(cfg: TrainConfig, model, resumed) -> dict:
+    """--init-from (not when resuming: the checkpoint holds the weights) and --freeze. Parameters frozen for
+    good stop needing gradients (DDP then leaves them out); ones that --unfreeze-at will train keep theirs,
+    and their gradients are dropped before each step until then (so DDP syncs the same parameters all run,
+    and an optimizer with weight decay leaves them untouched). BatchNorm layers whose parameters are all
+    frozen keep their running statistics (evaluation mode while frozen)."""
+    out = {"init": None, "frozen": [], "frozen_norms": [], "notes": []}
+    if cfg.init_from and not resumed:
+        report = checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
+        out["init"] = report
+        out["notes"].append(f"init from {cfg.init_from}: {report['loaded']} tensors loaded" + "".join(
+            f", {len(report[k])} {k} ({', '.join(report[k][:3])}{', ...' if len(report[k]) > 3 else ''})"
+            for k in ("reset", "missing", "unexpected") if report[k]))
+    if cfg.freeze:
+        pattern = re.compile(cfg.freeze)
+        names = {name for name, _ in model.named_parameters() if pattern.search(name)}
+        if not names:
+            raise ConfigError(f"--freeze {cfg.freeze!r} matches no parameter (names such as "
+                              f"{next(iter(dict(model.named_parameters())), '-')!r})")
+        for name, p in model.named_parameters():
+            if name in names:
+                out["frozen"].append(p)
+                p.requires_grad_(cfg.unfreeze_at is not None)
+        frozen = {id(p) for p in out["frozen"]}
+        out["frozen_norms"] = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                               and any(True for _ in m.parameters()) and all(id(p) in frozen for p in m.parameters())]
+        out["notes"].append(f"frozen: {len(names)} parameters matching {cfg.freeze!r}"
+                            + (f", trained from epoch {cfg.unfreeze_at}" if cfg.unfreeze_at else ""))
+    return out
 
 
 def _ema(cfg: TrainConfig, accelerator: Accelerator, model):
@@ -392,6 +440,9 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
     guarded, channels_last, input_dtype, loss_fn = reads_files(r.job.data.train), cfg.channels_last, r.input_dtype, r.loss_fn
     forward_fn, items = r.job.forward, r.items
     model.train()
+    if _frozen_now(r):
+        for norm in r.tuning["frozen_norms"]:
+            norm.eval()  # their running statistics stay as they are
     r.progress.new_epoch(r.epoch, done=state.step - r.epoch * r.per_epoch)
     # The epoch seeds the shuffle; a resumed epoch skips the micro-batches it has already seen.
     seen = (state.step - r.epoch * r.per_epoch) * cfg.grad_accum
@@ -446,6 +497,9 @@ def optimizer_step(r: Run, guarded: bool) -> None:
     elif cfg.skip_nonfinite and state.losses.last_step_nonfinite(accelerator):
         state.skipped_steps += 1  # no update from this step's gradients
     else:
+        if _frozen_now(r):  # --freeze until --unfreeze-at: no update (the optimizer skips parameters without one)
+            for p in r.tuning["frozen"]:
+                p.grad = None
         if r.items:
             normalise_gradients(r)
         if cfg.max_grad_norm:
@@ -456,6 +510,10 @@ def optimizer_step(r: Run, guarded: bool) -> None:
             r.ema.update_parameters(r.averaged)
         # fp16: the grad scaler skips a step whose gradients overflowed (no host sync: a flag)
         state.loss_scale_skipped_steps += accelerator.optimizer_step_was_skipped
+
+
+def _frozen_now(r: Run) -> bool:
+    return bool(r.tuning["frozen"]) and (r.cfg.unfreeze_at is None or r.epoch + 1 < r.cfg.unfreeze_at)
 
 
 def normalise_gradients(r: Run) -> None:
@@ -864,6 +922,9 @@ def run_summary(r: Run, ranks_agree: bool) -> dict:
         "evals": state.evals,
         "best": state.best,
         "stopped_early": state.stopped_early,
+        "init": r.tuning["init"],
+        "param_groups": [{"lr_mult": g.get("lr_mult", 1.0), "weight_decay": g.get("weight_decay"),
+                          "parameters": len(g["params"])} for g in r.optimizer.param_groups],
         **_tables(r),
         "resumed_from": str(r.resume) if r.resume else None,
         "wall_time_s": time.perf_counter() - r.started,

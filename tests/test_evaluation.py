@@ -206,3 +206,19 @@ def test_iou_of_segmentation_outputs_over_batches():
     expected = [((predicted == c) & (targets == c) & keep).sum().double() / (((predicted == c) | (targets == c)) & keep).sum()
                 for c in range(3)]
     assert metric.compute(metric.sums, None) == pytest.approx(float(sum(expected) / 3), abs=1e-12)
+
+
+def test_binary_auroc_counts_ties_half_as_scikit_learn_does():
+    """Two classes (or one logit per sample), with tied scores, over batches."""
+    from sklearn.metrics import roc_auc_score
+
+    from acc_trainer.metrics import AUROC
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randint(-3, 4, (200,), generator=g).float()  # few distinct values: many ties
+    labels = (torch.rand(200, generator=g) < torch.sigmoid(logits)).long()
+    for outputs in (logits[:, None], torch.stack([torch.zeros(200), logits], 1)):
+        metric = AUROC.for_outputs(outputs, labels)
+        metric.update(outputs[:77], labels[:77])
+        metric.update(outputs[77:], labels[77:])
+        assert metric.compute(None, torch.cat(metric.rows)) == pytest.approx(roc_auc_score(labels, logits), abs=1e-12)
