@@ -237,3 +237,41 @@ def test_fine_tuning_beats_training_from_scratch_on_few_labels(pretrained, tmp_p
         results[name] = fit(Net(4), few, evaluation, tmp_path / name, epochs=10, **extra)["eval"]["accuracy"]
     print(results)
     assert results["fine-tuned"] >= results["scratch"] + 0.1
+
+
+def test_the_schedule_scales_every_group_alike():
+    from acc_trainer.config import make_config
+    from acc_trainer.optim import build_optimizer, build_scheduler, param_groups
+
+    model = Net(4)
+    for name in ("cosine", "onecycle"):
+        cfg = make_config({"param_groups": {r"^body\.": {"lr_mult": 0.1}}, "scheduler": name, "warmup_steps": 2})
+        optimizer = build_optimizer(cfg, param_groups(cfg, model, 0.2), 0.2)
+        scheduler = build_scheduler(cfg, optimizer, 0.2, total_steps=10, steps_per_epoch=5)
+        for _ in range(6):
+            optimizer.step()
+            scheduler.step()
+            body, head = (g["lr"] for g in optimizer.param_groups)
+            assert body == pytest.approx(0.1 * head), name
+
+
+SCHEDULE = '''
+import torch
+
+
+def halving(optimizer, total_steps):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, total_steps // 2), gamma=0.5)
+'''
+
+
+def test_a_scheduler_by_import_path_from_the_command_line(project, tmp_path):
+    import json
+
+    (project / "schedules.py").write_text(SCHEDULE)
+    result = run_here("--model", "my_model:build", "--dataset", "my_data:load", "--batch-size", "64", "--max-steps", "8",
+                      "--log-every", "1", "--scheduler", "schedules:halving", "--output-dir", tmp_path / "run",
+                      "--progress", "none", "--no-plots", cwd=project)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+           if '"lr"' in line]
+    assert lrs[:3] == [1e-3, 1e-3, 1e-3] and lrs[4:7] == [5e-4, 5e-4, 5e-4] and lrs[-1] == 2.5e-4
