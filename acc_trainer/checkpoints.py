@@ -149,10 +149,11 @@ def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
         raise ConfigError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"checkpoint {state_file} is corrupt ({type(e).__name__}: {e})") from None
+    defaults = TrainConfig().to_dict()  # a checkpoint written before an option existed had its default
     mismatches = [
-        f"{key} {saved.get(key)!r} (this run: {value!r})"
+        f"{key} {saved.get(key, defaults[key])!r} (this run: {value!r})"
         for key, value in cfg.to_dict().items()
-        if key not in MAY_CHANGE and saved.get(key) != value
+        if key not in MAY_CHANGE and saved.get(key, defaults[key]) != value
     ]
     if mismatches:
         raise ConfigError(f"checkpoint {path} is from a different run: {'; '.join(mismatches)}")

@@ -223,8 +223,11 @@ def _zoo_model(spec: str, args: dict, data: Data, zoo: tuple[Callable, list[str]
             model = create(name, **args)
         except Exception as e:  # noqa: BLE001 - reported below in one line
             error = e
-    if error is not None:
+    if isinstance(error, OSError):  # URLError, HTTPError, a file that is not there
         raise ConfigError(_offline(spec, library, name, error)) from None
+    if error is not None:
+        shown = ", ".join(f"{k}={v!r}" for k, v in args.items())
+        raise ConfigError(f"{spec}({shown}) raised {type(error).__name__}: {first_line(error)}") from None
     return model
 
 

@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from accelerate.utils import send_to_device
 
 from . import components, processes
 from .config import ConfigError, TrainConfig, first_line
-from .data import Uncollated, reads_files
+from .data import Uncollated, one_at_a_time, reads_files
 from .loaders import dataloader_config, evaluation_loader
 from .losses import forward, predictions
 
@@ -76,7 +77,8 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
                               kwargs_handlers=[timeout])
     world = accelerator.num_processes
     per_process = cfg.eval_batch_size or max(1, cfg.batch_size // (world * cfg.grad_accum))
-    loader = evaluation_loader(dataset, per_process * world, cfg.seed, collate=job.collate)
+    loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
+                               collate=job.collate)
     model, loader = accelerator.prepare(job.model, loader)
     return accelerator, model, loader, checked
 
@@ -96,39 +98,57 @@ def _evaluate(cfg: TrainConfig, job: components.Workload, dataset) -> dict:
 def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None):
     accelerator, model, loader, _ = _prepared(cfg, job, dataset)
     model.eval()
-    writer = Writer(output, len(dataset), getattr(dataset, "classes", None)) if accelerator.is_main_process else None
-    rows, index = [], 0
+    writer = Writer(output, len(dataset)) if accelerator.is_main_process else None
+    rows, index, unreadable = [], 0, 0
     guarded = reads_files(dataset)
-    with torch.no_grad(), _progress(accelerator.is_main_process and output is not None, len(loader)) as advance:
-        for batch in loader:
-            if isinstance(batch, Uncollated):
-                batch = send_to_device(batch.first(len(batch)), accelerator.device)
-            if guarded:
-                batch, _ = batch
-            outputs, _ = (job.forward or forward)(model, batch)
-            # gather_for_metrics: every process's share of the global batch, in order, the last batch's padding dropped
-            gathered = accelerator.gather_for_metrics(_per_sample(outputs), use_gather_object=not isinstance(
-                _per_sample(outputs), torch.Tensor))
-            batch_rows = _rows(gathered, index)
-            index += len(batch_rows)
-            if writer:
-                writer.write(batch_rows)
-            if output is None:
-                rows += batch_rows
-            advance()
-    if writer:
-        writer.close()
+    try:
+        with torch.no_grad(), _progress(accelerator.is_main_process and output is not None, len(loader)) as advance:
+            for batch in loader:
+                if isinstance(batch, Uncollated):
+                    batch = send_to_device(batch.first(len(batch)), accelerator.device)
+                if guarded:
+                    batch, indices = batch
+                    unreadable += sum(i >= 0 for i in indices)
+                outputs, _ = (job.forward or forward)(model, batch)
+                local = _per_sample(outputs)
+                # gather_for_metrics: every process's share of the global batch in order, the last batch's padding
+                # dropped (objects: outputs of other kinds, or tensors whose shape differs between processes)
+                gathered = accelerator.gather_for_metrics(local, use_gather_object=not isinstance(local, torch.Tensor))
+                batch_rows = _rows(gathered, index)
+                if output is not None and index == 0:
+                    check_rows(batch_rows, output)  # on every process: none is left waiting for the main one
+                index += len(batch_rows)
+                if writer:
+                    writer.write(batch_rows)
+                if output is None:
+                    rows += batch_rows
+                advance()
+        if accelerator.reduce(torch.tensor(unreadable, device=accelerator.device), "sum").item():
+            raise ConfigError("predict: some samples cannot be read (their rows would be another sample's); "
+                              "acc-trainer check-data lists them")
+        if writer:
+            writer.close()
+    finally:
+        if writer:
+            writer.discard()  # what is left of an unfinished file
     accelerator.wait_for_everyone()
     return output if output is not None else rows
 
 
 def _per_sample(outputs):
-    """What is gathered of a batch's outputs: the predictions tensor (class scores, values), or for other
-    outputs (a detector's list of dicts) one plain object per sample."""
+    """What is gathered of a batch's outputs: the predictions tensor (class scores, values) when it is a batch
+    of one size per sample ([B] or [B, C]), or else one plain object per sample (a detector's dicts, a
+    sequence model's [B, T, C] padded to another length on each process)."""
     try:
-        return predictions(outputs).detach().float()
+        values = predictions(outputs).detach().float()
     except ValueError:
+        if isinstance(outputs, dict):
+            sizes = {len(v) for v in outputs.values() if isinstance(v, torch.Tensor) and v.dim()}
+            if len(sizes) != 1:
+                raise ConfigError(f"predict: cannot split outputs with keys {sorted(outputs)} into samples") from None
+            return [{k: _plain(v[i]) for k, v in outputs.items()} for i in range(sizes.pop())]
         return [_plain(o) for o in outputs]
+    return values if values.dim() <= 2 else [_plain(v) for v in values]
 
 
 def _plain(obj):
@@ -176,12 +196,22 @@ class _progress:
             self.bar.stop()
 
 
+def check_rows(rows: list[dict], path: Path) -> None:
+    """Whether the rows fit the output's format: .csv and .npz take numbers (one, or a list of them)."""
+    if path.suffix == ".jsonl" or not rows:
+        return
+    value = rows[0]["output"]
+    if not (isinstance(value, (int, float)) or isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)):
+        raise ConfigError(f"predict: these outputs are not rows of numbers; write them as .jsonl, not {path.suffix}")
+
+
 class Writer:
     """Rows to a .jsonl or .csv file line by line, or to .npz arrays filled as they come (memory-mapped
-    .npy files, zipped at the end): a large set never sits in memory whole."""
+    .npy files, zipped at the end): a large set never sits in memory whole. Written in a folder of its own
+    beside the output, moved into place when complete."""
 
-    def __init__(self, path: Path | None, size: int, classes=None):
-        self.path, self.size, self.classes, self.done = path, size, classes, 0
+    def __init__(self, path: Path | None, size: int):
+        self.path, self.size, self.done = path, size, 0
         if path is None:
             return
         self.folder = Path(tempfile.mkdtemp(prefix=".predict-", dir=path.parent))
@@ -200,9 +230,6 @@ class Writer:
         self.done += len(rows)
 
     def _csv(self, rows: list[dict]) -> None:
-        if not isinstance(rows[0]["output"], (list, int, float)) or isinstance(rows[0]["output"], list) and \
-                rows[0]["output"] and isinstance(rows[0]["output"][0], (list, dict)):
-            raise ConfigError("predict: these outputs are not a table of numbers; write them as .jsonl")
         flat = [r["output"] if isinstance(r["output"], list) else [r["output"]] for r in rows]
         if self.done == 0:
             self.csv = csv.writer(self.file)
@@ -214,8 +241,6 @@ class Writer:
     def _npz(self, rows: list[dict]) -> None:
         import numpy as np
 
-        if isinstance(rows[0]["output"], dict):
-            raise ConfigError("predict: these outputs are not arrays; write them as .jsonl")
         columns = {"index": [r["index"] for r in rows], "output": [r["output"] for r in rows]}
         if "class" in rows[0]:
             columns["class"] = [r["class"] for r in rows]
@@ -239,6 +264,13 @@ class Writer:
                 for name in self.arrays:
                     archive.write(self.folder / f"{name}.npy", f"{name}.npy")
             os.replace(self.folder / self.path.name, self.path)
+        self.discard()
+
+    def discard(self) -> None:
+        if self.path is None:
+            return
+        if self.file is not None and not self.file.closed:
+            self.file.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -251,7 +283,9 @@ def _run_options(argv: list[str], command: str) -> tuple[TrainConfig, Path, Path
 
     if not argv or argv[0].startswith("-"):
         raise ConfigError(f"acc-trainer {command} RUN_DIR: give the folder of a finished run first")
-    run, rest = Path(argv[0]), list(argv[1:])
+    run, rest = Path(argv[0]), [part for arg in argv[1:] for part in
+                                 (arg.split("=", 1) if arg.split("=", 1)[0] in ("--weights", "--output", "--split")
+                                  else [arg])]
     taken = {}
     for flag in ("--weights", "--output", "--split"):
         if flag in rest:
@@ -280,7 +314,7 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
 
     processes.start(cfg)
     set_seed(cfg.seed)
-    job = components.build_workload(cfg)
+    job = components.build_workload(replace(cfg, pretrained=False))  # the run's weights replace them anyway
     try:
         state = load_file(weights) if weights.suffix == ".safetensors" else torch.load(weights, weights_only=True,
                                                                                         map_location="cpu")

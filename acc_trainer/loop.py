@@ -140,7 +140,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
                      f"{r.accelerator.process_index} of {r.world}")
     with r.progress, StopSignals(r.accelerator) as signals, r.files.plots_if_stopped(cfg.plots), _naming_the_step(where):
         # A checkpoint at the very end (after the final evaluation) leaves nothing to train.
-        for epoch in range(state.step // r.per_epoch if state.step < r.total_steps else r.epochs, r.epochs):
+        done = state.step >= r.total_steps or state.stopped_early  # a checkpoint at the end leaves nothing to train
+        for epoch in range(r.epochs if done else state.step // r.per_epoch, r.epochs):
             r.epoch = epoch
             train_epoch(r, signals)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
@@ -390,6 +391,9 @@ def _fine_tuning(cfg: TrainConfig, model, resumed) -> dict:
             f", {len(report[k])} {k} ({', '.join(report[k][:3])}{', ...' if len(report[k]) > 3 else ''})"
             for k in ("reset", "missing", "unexpected") if report[k]))
     if cfg.freeze:
+        if cfg.unfreeze_at is not None and engines.requested() == "DEEPSPEED":
+            raise ConfigError("--unfreeze-at: DeepSpeed steps its optimizer inside the backward pass, before frozen "
+                              "gradients can be dropped; use DDP or FSDP, or --freeze alone")
         pattern = re.compile(cfg.freeze)
         names = {name for name, _ in model.named_parameters() if pattern.search(name)}
         if not names:
@@ -694,11 +698,14 @@ def keep_evaluation(r: Run, results: dict) -> None:
     if cfg.log_with:
         r.accelerator.log({f"eval/{k}": v for k, v in results.items() if k != "samples"}, step=state.step)
     r.progress.print(f"epoch {epoch + 1}/{r.epochs}: " + _format_eval(results))
+    for flag, name in (("--save-best", cfg.save_best), ("--early-stop", cfg.early_stop)):
+        if name is not None and name not in results:
+            raise ConfigError(f"{flag} {name}: the evaluation has no such result (it has {', '.join(results)})")
+    if cfg.early_stop:  # decided first, so that a best checkpoint holds the decision too
+        _early_stop(r, results[cfg.early_stop])
     if cfg.save_best and _improves(cfg.save_best, results, state.best):
         state.best = {"step": state.step, "metric": cfg.save_best, "value": results[cfg.save_best]}
         save_checkpoint(r, BEST)
-    if cfg.early_stop:
-        _early_stop(r, results[cfg.early_stop])
 
 
 def _early_stop(r: Run, value: float) -> None:
@@ -708,8 +715,10 @@ def _early_stop(r: Run, value: float) -> None:
     uninterrupted one does."""
     cfg, state = r.cfg, r.state
     lower = LOWER_IS_BETTER.search(cfg.early_stop)
-    if state.early_best is None or (value < state.early_best - cfg.min_delta if lower else
-                                    value > state.early_best + cfg.min_delta):
+    if math.isnan(value):  # an undefined value (AUROC without one of the classes) is no improvement
+        state.stale_evals += 1
+    elif state.early_best is None or (value < state.early_best - cfg.min_delta if lower else
+                                      value > state.early_best + cfg.min_delta):
         state.early_best, state.stale_evals = value, 0
     else:
         state.stale_evals += 1
@@ -986,7 +995,9 @@ LOWER_IS_BETTER = re.compile(r"(^|_)(loss|error|mae|mse)$")
 
 
 def _improves(metric: str, metrics: dict, best: dict | None) -> bool:
-    if best is None:
+    if math.isnan(metrics[metric]):
+        return False
+    if best is None or math.isnan(best["value"]):
         return True
     lower = LOWER_IS_BETTER.search(metric)
     return metrics[metric] < best["value"] if lower else metrics[metric] > best["value"]

@@ -74,8 +74,8 @@ class Stateful:
 
     @classmethod
     def for_outputs(cls, outputs, targets) -> "Stateful":
-        scores = predictions(outputs)
-        return cls(scores.shape[1] if scores.dim() > 1 else 2)
+        scores = class_scores(outputs, targets)
+        return cls(max(2, scores.shape[1]) if scores.dim() > 1 else 2)  # one logit: two classes
 
     def reset(self) -> None:
         self.sums = torch.zeros(self.size(), dtype=torch.float64)
@@ -156,7 +156,7 @@ class AUROC(Stateful):
         scores = predictions(outputs).detach().float()
         if scores.dim() == 1 or scores.shape[1] == 1:  # one logit: class 1's score
             scores = torch.stack([-scores.reshape(-1), scores.reshape(-1)], 1)
-        probabilities = scores.softmax(dim=1)
+        probabilities = scores.double().softmax(dim=1)  # float32 saturates at 1.0 for logits 17 apart
         self.rows.append(torch.cat([probabilities.double(), targets.reshape(-1, 1).double()], 1))
 
     def compute(self, sums, rows):

@@ -23,20 +23,24 @@ def build_optimizer(cfg: TrainConfig, params, lr: float, factory=None) -> torch.
         optimizer = factory(params)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
-        return optimizer
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    elif cfg.optimizer == "sgd":
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                                    weight_decay=cfg.weight_decay)
+    elif cfg.optimizer == "adam":
+        optimizer = torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    for group in optimizer.param_groups:  # each group's share of the optimizer's own learning rate
+        group["lr"] = group["lr"] * group.get("lr_mult", 1.0)
+    return optimizer
 
 
 def param_groups(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> list[dict]:
     """The model's parameters in groups of equal options, in the order the model lists them: each group's
-    `lr` (lr x lr_mult, the schedule scales every group alike) and `weight_decay`, from --param-groups (the
-    first regular expression that matches a name), --no-decay-norm-bias and --layer-decay. Frozen parameters
-    are in their groups too: every group exists from the first step (a resume finds the same groups)."""
+    `lr_mult` (build_optimizer multiplies the optimizer's learning rate by it; the schedule then scales every
+    group alike) and, where a rule sets one, its `weight_decay` (else the optimizer's own), from --param-groups
+    (the first regular expression that matches a name), --no-decay-norm-bias and --layer-decay. Frozen
+    parameters are in their groups too: every group exists from the first step (a resume finds the same)."""
     rules = [(re.compile(pattern), dict(options or {})) for pattern, options in (cfg.param_groups or {}).items()]
     for pattern, options in rules:
         unknown = set(options) - {"lr_mult", "weight_decay"}
@@ -47,14 +51,14 @@ def param_groups(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> list[di
     depth, deepest = _depths([name for name, _ in named]) if cfg.layer_decay else ({}, 0)
     groups: dict[tuple, dict] = {}
     for name, parameter in named:
-        decay = 0.0 if cfg.no_decay_norm_bias and parameter.dim() <= 1 else cfg.weight_decay
-        mult = 1.0
+        decay = 0.0 if cfg.no_decay_norm_bias and parameter.dim() <= 1 else None  # None: the optimizer's own
         rule = next((options for pattern, options in rules if pattern.search(name)), {})
-        mult, decay = float(rule.get("lr_mult", mult)), float(rule.get("weight_decay", decay))
+        mult = float(rule.get("lr_mult", 1.0))
+        decay = float(rule["weight_decay"]) if "weight_decay" in rule else decay
         if cfg.layer_decay:
             mult *= cfg.layer_decay ** (deepest - depth[name])
-        group = groups.setdefault((mult, decay), {"params": [], "lr": lr * mult, "lr_mult": mult,
-                                                  "weight_decay": decay})
+        group = groups.setdefault((mult, decay), {"params": [], "lr_mult": mult,
+                                                  **({"weight_decay": decay} if decay is not None else {})})
         group["params"].append(parameter)
     return list(groups.values())
 

@@ -38,6 +38,23 @@ def test_early_stopping_resumed_mid_patience_stops_where_the_whole_run_does(tmp_
     assert [r["step"] for r in metrics(cut) if "eval_accuracy" in r] == [24]
 
 
+def test_a_checkpoint_written_before_the_newer_options_still_resumes(tmp_path):
+    """Options added since a checkpoint was written count as their defaults when the checkpoint lacks them."""
+    run = tmp_path / "run"
+    options = [*PLATEAU[:10], "--epochs", "2", "--checkpoint-every", "epoch", "--output-dir", run, "--progress", "none",
+               "--no-plots"]
+    assert run_here(*options, "--early-stop", "accuracy", "--patience", "2").returncode == 0
+    state_file = run / "checkpoints" / "step-00000008" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for key in ("early_stop", "patience", "min_delta", "init_from", "init_strict", "pretrained", "freeze",
+                "param_groups", "layer_decay", "collate", "forward"):
+        state["config"].pop(key)
+    state_file.write_text(json.dumps(state))
+    shutil.rmtree(run / "checkpoints" / "step-00000016")
+    resumed = run_here(*options, "--resume", str(run / "checkpoints" / "step-00000008"))
+    assert resumed.returncode == 0, resumed.stderr
+
+
 def test_early_stop_naming_a_metric_the_run_does_not_compute_is_one_line(tmp_path):
     result = run_here(*PLATEAU[:-4], "--early-stop", "f1", "--output-dir", tmp_path / "never")
     assert result.returncode == 2
@@ -109,7 +126,7 @@ def test_a_classification_run_records_its_confusion_matrix_and_per_class_table(f
 
 
 def test_evaluate_gives_the_runs_final_numbers(finished, tmp_path):
-    result = run_here("evaluate", finished, "--eval-batch-size", "7", "--output", tmp_path / "eval.json")
+    result = run_here("evaluate", finished, "--eval-batch-size", "7", f"--output={tmp_path / 'eval.json'}")
     assert result.returncode == 0, result.stderr[-3000:]
     got, s = json.loads((tmp_path / "eval.json").read_text()), summary(finished)
     for name, value in s["eval"].items():
@@ -222,3 +239,8 @@ def test_binary_auroc_counts_ties_half_as_scikit_learn_does():
         metric.update(outputs[:77], labels[:77])
         metric.update(outputs[77:], labels[77:])
         assert metric.compute(None, torch.cat(metric.rows)) == pytest.approx(roc_auc_score(labels, logits), abs=1e-12)
+    # Far apart logits: probabilities computed in float32 would both be 1.0 and tie.
+    scores, labels = torch.tensor([[0.0, 20.0], [0.0, 25.0]]), torch.tensor([0, 1])
+    metric = AUROC.for_outputs(scores, labels)
+    metric.update(scores, labels)
+    assert metric.compute(None, torch.cat(metric.rows)) == 1.0

@@ -144,7 +144,7 @@ def test_param_groups_layer_decay_and_no_decay_on_norms_and_biases():
     from torchvision.models import resnet18
 
     from acc_trainer.config import make_config
-    from acc_trainer.optim import _depths, param_groups
+    from acc_trainer.optim import _depths, build_optimizer, param_groups
 
     model = resnet18(num_classes=5)
     names = [n for n, _ in model.named_parameters()]
@@ -153,7 +153,7 @@ def test_param_groups_layer_decay_and_no_decay_on_norms_and_biases():
     assert depth["layer4.1.bn2.bias"] == 4 and depth["fc.weight"] == deepest == 5
     cfg = make_config({"layer_decay": 0.5, "no_decay_norm_bias": True, "weight_decay": 0.05,
                        "param_groups": {r"^fc\.": {"lr_mult": 10}}})
-    groups = param_groups(cfg, model, 0.1)
+    groups = build_optimizer(cfg, param_groups(cfg, model, 0.1), 0.1).param_groups  # adam: its own lr, decay 0.05
     by_param = {id(p): g for g in groups for p in g["params"]}
     params = dict(model.named_parameters())
     assert by_param[id(params["conv1.weight"])]["lr"] == pytest.approx(0.1 * 0.5 ** 5)
@@ -162,6 +162,16 @@ def test_param_groups_layer_decay_and_no_decay_on_norms_and_biases():
     assert by_param[id(params["layer3.0.bn1.weight"])]["weight_decay"] == 0.0
     assert by_param[id(params["layer3.0.conv1.weight"])]["weight_decay"] == 0.05
     assert sum(len(g["params"]) for g in groups) == len(names)
+
+
+def test_a_factorys_own_learning_rate_and_decay_stay_and_groups_scale_them():
+    from acc_trainer.config import make_config
+    from acc_trainer.optim import build_optimizer, param_groups
+
+    cfg = make_config({"param_groups": {r"^body\.": {"lr_mult": 0.1}}, "lr": 1e-3, "weight_decay": 0.0})
+    optimizer = build_optimizer(cfg, param_groups(cfg, Net(4), 1e-3), 1e-3,
+                                lambda groups: torch.optim.SGD(groups, lr=0.5, weight_decay=5e-4))
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(pytest.approx(0.05), 5e-4), (0.5, 5e-4)]
 
 
 def test_an_optimizer_and_scheduler_of_your_own_resume_exactly(tmp_path):
