@@ -449,8 +449,7 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
     tables = {"confusion": builtin_metrics.Confusion.for_outputs(outputs, targets)} if labels and targets.dim() == 1 \
         and _class_scores(outputs) else {}
     count = float(value.items) if value.items is not None else 1.0
-    per_position = isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() >= 2
-    loss_per = "item" if value.items is not None else "position" if per_position else "sample"
+    loss_per = "item" if value.items is not None else "position" if labels and targets.dim() >= 2 else "sample"
     return Checked(loss, fn, loss_name, metrics, value.items is not None, loss_per, max(count, 1.0) * micro_batch / 2,
                    eval_loss, unused, tables)
 
