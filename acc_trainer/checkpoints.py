@@ -157,16 +157,15 @@ def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
     ]
     if mismatches:
         raise ConfigError(f"checkpoint {path} is from a different run: {'; '.join(mismatches)}")
-    if state["world_size"] != world:
-        raise ConfigError(
-            f"checkpoint {path} was written by {state['world_size']} processes; resume it with "
-            f"{state['world_size']}, not {world}"
-        )
     if state.get("engine", "DDP") != engine:
         raise ConfigError(f"checkpoint {path} was written under {state.get('engine', 'DDP')}; resume it with the same "
                           f"accelerate config (this run: {engine})")
+    if state["world_size"] != world and engine != "DDP":
+        # FSDP's and DeepSpeed's files are each process's shard of the weights and optimizer state.
+        raise ConfigError(f"checkpoint {path} was written by {state['world_size']} processes under {engine}, whose "
+                          f"files are each process's shard; resume it with {state['world_size']}, not {world}")
     names = {p.name for p in path.iterdir()}
-    required = ["scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(world)]
+    required = ["scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(min(world, state["world_size"]))]
     if engine == "DDP":
         required += ["model.safetensors", "optimizer.bin"]
     missing = [name for name in required if name not in names]
@@ -218,15 +217,48 @@ def reading(path: Path):
         raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first_line(e)})") from None
 
 
-def check_random_states(accelerator: Accelerator, path: Path) -> None:
+def elastic_note(saved_world: int, world: int) -> list[str]:
+    """What a checkpoint continued on another number of processes keeps, said once."""
+    if saved_world == world:
+        return []
+    return [f"note: the checkpoint was written by {saved_world} process(es) and continues on {world}: the same samples "
+            "make each step (--batch-size is global), and each process continues the random numbers of the process of "
+            f"its index{', a new one those of process 0' if world > saved_world else ''} (dropout then draws other "
+            "masks than an uninterrupted run)"]
+
+
+def check_random_states(accelerator: Accelerator, path: Path, saved_world: int | None = None) -> None:
     """After `load_state`: every process's random number generators are the checkpoint's, or every
-    process stops with one line."""
-    problem = _rng_not_restored(path, accelerator.process_index)
+    process stops with one line. A process the checkpoint has no state for (it was written by fewer
+    processes) takes process 0's, as every process starts from the same seed in a new run."""
+    rank = accelerator.process_index
+    if saved_world is not None and rank >= saved_world:
+        _restore_random_states(path / "random_states_0.pkl")
+        rank = 0
+    problem = _rng_not_restored(path, rank)
     failed = accelerator.gather(torch.tensor([problem is not None], device=accelerator.device)).tolist()
     if any(failed):  # every process raises: the same decision everywhere
         ranks = ", ".join(str(i) for i, bad in enumerate(failed) if bad)
         raise ConfigError(f"checkpoint {path}: the random number generator states of process {ranks} cannot be "
                           f"restored ({problem or 'see that process'}); resuming would not continue the same run")
+
+
+def _restore_random_states(file: Path) -> None:
+    """Sets the CPU generators from an Accelerate random-states file (weights-only unpickling). Accelerate's
+    load_state reads only the file of the process's own index; a device generator keeps --seed's state."""
+    from accelerate.utils import load as load_weights_only
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            states = load_weights_only(file)
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    except Exception:  # noqa: BLE001 - reported by _rng_not_restored, which reads the same file
+        pass
 
 
 def _rng_not_restored(path: Path, rank: int) -> str | None:

@@ -21,6 +21,8 @@ def check_data(argv: list[str]) -> None:
     from .components import build_batching, build_data
     from .data import unreadable_samples
     from .progress import make_console
+    from .data import is_stream
+    from .streams import read_through
 
     cfg = parse_config(argv)
     data = build_data(cfg)
@@ -28,6 +30,13 @@ def check_data(argv: list[str]) -> None:
     console, bad = make_console(), 0
     for split, dataset in (("training", data.train), ("evaluation", data.eval)):
         if dataset is None:
+            continue
+        if is_stream(dataset):  # read to its end; a read error ends it there
+            count, problems = read_through(dataset, collate)
+            bad += len(problems)
+            for problem in problems:
+                console.print(f"unreadable {split} stream: {problem}", markup=False)
+            console.print(f"{split}: {count} samples read from the stream", markup=False)
             continue
         names = unreadable_samples(dataset, collate)
         bad += len(names)

@@ -33,11 +33,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 
-from . import losses, metrics as builtin_metrics
+from . import losses, metrics as builtin_metrics, streams
 from .config import IMPORT_PATH, ConfigError, TrainConfig, first_line
-from .data import DATASETS, Data, InMemory, RawImages, check_data, one_at_a_time, torchvision
+from .data import DATASETS, Data, InMemory, RawImages, check_data, is_stream, one_at_a_time, torchvision
 from .models import MODELS
 
 # Exceptions that mean "these pieces do not fit together" when one sample passes through them; others
@@ -340,12 +340,24 @@ def function_name(fn: Callable) -> str | None:
 def data_from(train, eval_, name: str) -> Data:
     """A user's datasets as `Data`: the task and the number of classes are read off the samples."""
     for split, dataset in (("training", train), ("evaluation", eval_)):
-        if dataset is not None and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise ConfigError(f"the {split} data of {name} is a {type(dataset).__name__}, not a map-style Dataset "
-                              "(__getitem__ and __len__)")
-    if len(train) == 0:
-        raise ConfigError(f"the training set of {name} is empty")
-    sample = train[0]
+        if dataset is not None and not is_stream(dataset) and not (hasattr(dataset, "__getitem__")
+                                                                  and hasattr(dataset, "__len__")):
+            raise ConfigError(f"the {split} data of {name} is a {type(dataset).__name__}, neither a map-style Dataset "
+                              "(__getitem__ and __len__) nor an iterable one (__iter__)")
+    if is_stream(train):
+        try:
+            head = streams.first(train, 1)
+        except Exception as e:
+            if not streams.is_read_error(e):
+                raise  # a bug in the stream's code: its traceback is the user's
+            raise ConfigError(f"the training stream of {name} cannot be read ({streams.describe_error(e, [])})") from None
+        if not head:
+            raise ConfigError(f"the training stream of {name} is empty")
+        sample = head[0]
+    else:
+        if len(train) == 0:
+            raise ConfigError(f"the training set of {name} is empty")
+        sample = train[0]
     if isinstance(sample, Mapping):
         inputs, targets = None, sample.get("labels")
     elif isinstance(sample, (tuple, list)) and len(sample) == 2:
@@ -360,7 +372,7 @@ def data_from(train, eval_, name: str) -> Data:
         if task == "classification":
             num_classes = _num_classes(train)
     shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
-    images = shape is not None and len(shape) == 3 and isinstance(targets, torch.Tensor)
+    images = shape is not None and len(shape) == 3 and isinstance(targets, torch.Tensor) and not is_stream(train)
     return Data(train, eval_, task, num_classes, shape, RawImages(train, None) if images else None)
 
 
@@ -369,6 +381,13 @@ def _num_classes(dataset) -> int | None:
     without reading every sample."""
     if isinstance(getattr(dataset, "num_classes", None), int):
         return dataset.num_classes
+    features = getattr(dataset, "features", None)  # a Hugging Face dataset's ClassLabel
+    if isinstance(features, Mapping):
+        label = features.get("labels", features.get("label"))
+        if isinstance(getattr(label, "num_classes", None), int):
+            return label.num_classes
+    if is_stream(dataset):  # its targets are not held: never read the whole stream for them
+        return None
     if getattr(dataset, "classes", None) is not None:
         return len(dataset.classes)
     targets = getattr(dataset, "targets", None)
@@ -388,6 +407,8 @@ def _num_classes(dataset) -> int | None:
 
 def first_samples(dataset, n: int, collate: Callable | None = None):
     """The first `n` samples as one batch, collated as the training loader collates them."""
+    if is_stream(dataset):
+        return (collate or default_collate)(streams.first(dataset, n))
     if collate is not None:
         dataset = one_at_a_time(dataset)  # a collate function takes samples
     elif isinstance(dataset, InMemory):

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, Dataset, TensorDataset
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, TensorDataset
 
 from .config import ConfigError, TrainConfig, first_line
 
@@ -250,8 +250,9 @@ class Uncollated:
     look alike), so it cannot be cut back to its real samples once collated: the samples are, before.
     """
 
-    def __init__(self, samples: list, collate):
+    def __init__(self, samples: list, collate, real: int | None = None):
         self.samples, self.collate = samples, collate
+        self.real = real  # known when the loader made the shares itself (a stream's); else found by gathering
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -265,9 +266,28 @@ class Uncollated:
         return Uncollated(samples, collate)
 
 
+def is_stream(dataset) -> bool:
+    """An iterable dataset: torch's IterableDataset (Hugging Face `datasets` streams are), or any object that
+    can be iterated but not indexed."""
+    if dataset is None:
+        return False
+    if isinstance(dataset, IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))
+
+
+def length(dataset) -> int | None:
+    """The number of samples a stream says it has (`__len__`), else None (learnt in its first epoch)."""
+    try:
+        return int(len(dataset))
+    except (TypeError, NotImplementedError, AttributeError):
+        return None
+
+
 def reads_files(dataset: Dataset) -> bool:
-    """Whether samples may fail to open: anything but tensors already in memory."""
-    return not isinstance(dataset.base if isinstance(dataset, PerSample) else dataset, TensorDataset)
+    """Whether samples may fail to open: anything but tensors already in memory (a stream's read errors
+    are its loader's, streams.py)."""
+    return not is_stream(dataset) and not isinstance(dataset.base if isinstance(dataset, PerSample) else dataset, TensorDataset)
 
 
 def sample_name(dataset: Dataset, index: int) -> str:
@@ -482,6 +502,10 @@ DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
 
 
 def check_data(data: Data, batch_size: int, name: str) -> None:
+    """Empty sets, or a training set shorter than one global batch, are one line (streams: at their start,
+    by their loaders)."""
+    if is_stream(data.train) or is_stream(data.eval):
+        return
     if data.eval is not None and len(data.eval) == 0:
         raise ConfigError(f"the evaluation set of {name} is empty")
     if len(data.train) < batch_size:
@@ -491,6 +515,8 @@ def check_data(data: Data, batch_size: int, name: str) -> None:
         )
 
 
-def steps_per_epoch(data: Data, config: TrainConfig) -> int:
-    """Whole global batches per epoch; the last incomplete one is dropped so every step sees a full batch."""
-    return math.floor(len(data.train) / config.batch_size)
+def steps_per_epoch(data: Data, config: TrainConfig) -> int | None:
+    """Whole global batches per epoch; the last incomplete one is dropped so every step sees a full batch.
+    None for a stream that does not say its length (learnt in its first epoch)."""
+    size = length(data.train) if is_stream(data.train) else len(data.train)
+    return None if size is None else math.floor(size / config.batch_size)

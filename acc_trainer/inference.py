@@ -27,13 +27,15 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import send_to_device
+from accelerate.utils import gather_object, send_to_device
 
 from . import components, processes
 from .config import ConfigError, TrainConfig, first_line
 from .data import Uncollated, one_at_a_time, reads_files
 from .loaders import dataloader_config, evaluation_loader
 from .losses import forward, predictions
+from .data import is_stream, length
+from .streams import StreamLoader
 
 FORMATS = (".jsonl", ".csv", ".npz")
 
@@ -77,8 +79,14 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
                               kwargs_handlers=[timeout])
     world = accelerator.num_processes
     per_process = cfg.eval_batch_size or max(1, cfg.batch_size // (world * cfg.grad_accum))
-    loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
-                               collate=job.collate)
+    if is_stream(dataset):  # its own loader (streams.py), which already holds this process's share
+        agree = None if world == 1 else (
+            lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist())
+        loader = StreamLoader(dataset, per_process * world, 1, world, accelerator.process_index, job.collate,
+                              accelerator.device, agree, job.dataset_name, train=False)
+    else:
+        loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
+                                   collate=job.collate)
     model, loader = accelerator.prepare(job.model, loader)
     return accelerator, model, loader, checked
 
@@ -96,24 +104,34 @@ def _evaluate(cfg: TrainConfig, job: components.Workload, dataset) -> dict:
 
 
 def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None):
+    size = length(dataset) if is_stream(dataset) else len(dataset)
+    if size is None and output is not None and output.suffix == ".npz":
+        raise ConfigError(f"predict: .npz arrays are made at the stream's size, and {job.dataset_name} does not say it "
+                          "(no __len__); write .jsonl or .csv")
     accelerator, model, loader, _ = _prepared(cfg, job, dataset)
     model.eval()
-    writer = Writer(output, len(dataset)) if accelerator.is_main_process else None
+    writer = Writer(output, size) if accelerator.is_main_process else None
     rows, index, unreadable = [], 0, 0
     guarded = reads_files(dataset)
     try:
-        with torch.no_grad(), _progress(accelerator.is_main_process and output is not None, len(loader)) as advance:
+        with torch.no_grad(), _progress(accelerator.is_main_process and output is not None,
+                                         None if is_stream(dataset) else len(loader)) as advance:
             for batch in loader:
+                real = batch.real if isinstance(batch, Uncollated) else None  # known for a stream's shares
                 if isinstance(batch, Uncollated):
-                    batch = send_to_device(batch.first(len(batch)), accelerator.device)
+                    batch = send_to_device(batch.first(len(batch) if real is None else max(real, 1)), accelerator.device)
                 if guarded:
                     batch, indices = batch
                     unreadable += sum(i >= 0 for i in indices)
                 outputs, _ = (job.forward or forward)(model, batch)
                 local = _per_sample(outputs)
-                # gather_for_metrics: every process's share of the global batch in order, the last batch's padding
-                # dropped (objects: outputs of other kinds, or tensors whose shape differs between processes)
-                gathered = accelerator.gather_for_metrics(local, use_gather_object=not isinstance(local, torch.Tensor))
+                if real is not None:  # each process's real outputs, in process order (the shares' order)
+                    parts = gather_object([send_to_device(local[:real], "cpu")])
+                    gathered = torch.cat(parts) if isinstance(local, torch.Tensor) else [x for p in parts for x in p]
+                else:
+                    # gather_for_metrics: every process's share of the global batch in order, the last batch's padding
+                    # dropped (objects: outputs of other kinds, or tensors whose shape differs between processes)
+                    gathered = accelerator.gather_for_metrics(local, use_gather_object=not isinstance(local, torch.Tensor))
                 batch_rows = _rows(gathered, index)
                 if output is not None and index == 0:
                     check_rows(batch_rows, output)  # on every process: none is left waiting for the main one
@@ -194,6 +212,17 @@ class _progress:
     def __exit__(self, *exc):
         if self.show:
             self.bar.stop()
+
+
+def _count(output: Path) -> str:
+    """The rows a finished output holds (a stream's length is known only once it is read)."""
+    if output.suffix == ".npz":
+        import numpy as np
+
+        with np.load(output) as arrays:
+            return f"{len(arrays['index']):,}"
+    with open(output) as f:
+        return f"{sum(1 for _ in f) - (output.suffix == '.csv'):,}"
 
 
 def check_rows(rows: list[dict], path: Path) -> None:
@@ -357,5 +386,5 @@ def main_predict(argv: list[str]) -> None:
     job, dataset = _workload(cfg, weights, split)
     written = _predict(cfg, job, dataset, output)
     if PartialState().is_main_process:
-        print(f"predictions of {cfg.model} for {len(dataset)} samples of {cfg.dataset} ({split}) in {written}",
+        print(f"predictions of {cfg.model} for {_count(written)} samples of {cfg.dataset} ({split}) in {written}",
               file=sys.stdout)

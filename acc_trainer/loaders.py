@@ -19,8 +19,9 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from . import augment as augmentation
 from .config import TrainConfig
-from .data import (DATASETS, Data, Guarded, IndexBatches, InMemory, Uncollated, augmented, one_at_a_time,
+from .data import (DATASETS, Data, Guarded, IndexBatches, InMemory, Uncollated, augmented, is_stream, one_at_a_time,
                    reads_files, steps_per_epoch)
+from .streams import StreamLoader
 
 
 def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
@@ -32,11 +33,17 @@ def dataloader_config(cfg: TrainConfig) -> DataLoaderConfiguration:
 
 def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device,
                   augment: augmentation.Augment | None = None,
-                  collate: Callable | None = None) -> tuple[DataLoader, DataLoader | None]:
+                  collate: Callable | None = None, rank: int = 0, agree: Callable | None = None,
+                  name: str = "the dataset") -> tuple:
     """The training loader yields global micro-batches; the evaluation loader `--eval-batch-size` per process
     (None without an evaluation set). With a user's `collate`, every sample goes through the DataLoader
     and each process collates its own slice of the global batch (Accelerate splits the indices); the
-    evaluation loader hands over `Uncollated` samples (see there)."""
+    evaluation loader hands over `Uncollated` samples (see there). A stream (an iterable dataset) gets a
+    `streams.StreamLoader` instead, which already holds this process's share (`rank`; `agree` sums numbers
+    over the processes), checked at its start."""
+    per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
+    if is_stream(data.train) or is_stream(data.eval):
+        return _with_streams(cfg, data, world, device, augment, collate, rank, agree, name)
     per_epoch = steps_per_epoch(data, cfg)
     # Exactly `per_epoch` whole global batches per epoch (the first per_epoch x batch_size indices of
     # each epoch's permutation): no partial step and no partial accumulation on any topology.
@@ -71,8 +78,26 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
                               **batching)
     if eval_set is None:
         return train_loader, None
-    per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
     return train_loader, evaluation_loader(eval_set, per_process * world, cfg.seed, loading(eval_set), collate)
+
+
+def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device, augment, collate, rank: int,
+                  agree: Callable | None, name: str) -> tuple:
+    """Loaders when the training or the evaluation set is a stream (the other one may be map-style)."""
+    per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
+    if is_stream(data.train):
+        train_loader = StreamLoader(data.train, cfg.batch_size, cfg.grad_accum, world, rank, collate, device, agree, name)
+        train_loader.check_start("training", cfg.batch_size)
+    else:
+        train_loader = build_loaders(cfg, replace(data, eval=None), world, device, augment, collate)[0]
+    if data.eval is None:
+        return train_loader, None
+    if not is_stream(data.eval):
+        placed = _placed(data.eval, replace(cfg, data_pipeline="per-sample") if collate else cfg, device)
+        return train_loader, evaluation_loader(placed, per_process * world, cfg.seed, None, collate)
+    eval_loader = StreamLoader(data.eval, per_process * world, 1, world, rank, collate, device, agree, name, train=False)
+    eval_loader.check_start("evaluation", 1)
+    return train_loader, eval_loader
 
 
 def evaluation_loader(dataset, global_batch: int, seed: int, loading: dict | None = None,

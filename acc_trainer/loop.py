@@ -41,7 +41,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, Pr
 from safetensors.torch import load_file
 
 from . import augment as augmentation
-from . import checkpoints, components, engines, processes, speedups
+from . import checkpoints, components, engines, processes, speedups, streams
 from .checkpoints import BEST, Checkpoints, WRITE_ERRORS, write_failure
 from .components import Checked, Workload, first_samples, metric_input
 from .config import ConfigError, TrainConfig, make_config
@@ -56,6 +56,7 @@ from .progress import Progress, format_metric, summary_table
 from .runfiles import RunFiles, lock_run_folder, output_dir
 from .state import Clock, IntervalLosses, RunState
 from .stopping import StopSignals, TrainingStopped
+from .streams import StreamLoader, StreamUnreadable
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -64,6 +65,7 @@ def train(cfg: TrainConfig) -> dict:
     Raises ConfigError for bad input and TrainingStopped when a signal or a NaN/inf loss stops the run.
     """
     cfg.validate()
+    streams.forget()
     processes.start(cfg)
     set_seed(cfg.seed)  # the same initial weights and generated data on every process
     return run(cfg, components.build_workload(cfg))
@@ -85,6 +87,7 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     are TrainConfig fields (`epochs=3, batch_size=256, init_from="w.pt", ...`), applied over `config`. Every
     process of a launch calls this with the same arguments; returns the run summary.
     """
+    streams.forget()
     factories = {}
     for name, given, kind in (("optimizer", optimizer, torch.optim.Optimizer),
                               ("scheduler", scheduler, torch.optim.lr_scheduler.LRScheduler)):
@@ -139,17 +142,17 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     where = lambda: (f"epoch {r.epoch + 1}, after optimizer step {state.step}, process "
                      f"{r.accelerator.process_index} of {r.world}")
     with r.progress, StopSignals(r.accelerator) as signals, r.files.plots_if_stopped(cfg.plots), _naming_the_step(where):
-        # A checkpoint at the very end (after the final evaluation) leaves nothing to train.
-        done = state.step >= r.total_steps or state.stopped_early  # a checkpoint at the end leaves nothing to train
-        for epoch in range(r.epochs if done else state.step // r.per_epoch, r.epochs):
+        for epoch in epochs_left(r):
             r.epoch = epoch
-            train_epoch(r, signals)
+            with _stream_faults(r, "training"):
+                train_epoch(r, signals)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             since = time.perf_counter()
             if r.eval_loader is not None:
-                results = evaluate(r.accelerator, r.ema.module if r.ema else r.model, r.eval_loader, r.eval_loss_fn,
-                                   r.metrics, cfg.channels_last, r.input_dtype, guarded=reads_files(r.job.data.eval),
-                                   forward_fn=r.job.forward, tables=r.tables)
+                with _stream_faults(r, "evaluation"):
+                    results = evaluate(r.accelerator, r.ema.module if r.ema else r.model, r.eval_loader,
+                                       r.eval_loss_fn, r.metrics, cfg.channels_last, r.input_dtype,
+                                       guarded=reads_files(r.job.data.eval), forward_fn=r.job.forward, tables=r.tables)
                 keep_evaluation(r, results)
             if cfg.checkpoint_epochs or (r.checkpoint_steps and state.step % r.checkpoint_steps == 0):
                 save_checkpoint(r)
@@ -158,6 +161,35 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
             if state.stopped_early:  # --early-stop: decided alike on every process (keep_evaluation)
                 break
     return finish(r)
+
+
+def epochs_left(r: "Run"):
+    """The epochs to train, from the checkpoint's when resuming (a checkpoint at the very end, after the final
+    evaluation, leaves none). A stream's epoch ends where the stream ends; with --max-steps and a stream
+    of unknown length, epochs follow each other until the last step."""
+    state = r.state
+    if state.stopped_early or (r.total_steps is not None and state.step >= r.total_steps):
+        return
+    epoch = state.stream["epoch"] if r.streaming else state.step // r.per_epoch
+    while r.epochs is None or epoch < r.epochs:
+        yield epoch
+        if state.stopped_early or (r.total_steps is not None and state.step >= r.total_steps):
+            return
+        epoch += 1
+
+
+@contextmanager
+def _stream_faults(r: "Run", split: str):
+    """A stream that cannot be read stops every process at the same step (its loader agrees on it),
+    after a checkpoint of the last whole step, with one line."""
+    try:
+        yield
+    except StreamUnreadable as e:
+        r.optimizer.zero_grad()
+        _checkpoint_this_step(r)
+        raise TrainingStopped(f"{e}, at step {r.state.step + (split == 'training')}; checkpoint saved in "
+                              f"{r.checkpoints.last}; continue with --resume auto --output-dir {r.out} once it can be "
+                              "read", code=1) from None
 
 
 @dataclass
@@ -187,9 +219,9 @@ class Run:
     ema: Any  # torch.optim.swa_utils.AveragedModel of the trained weights, or None
     averaged: Any  # the module the EMA follows (the model without its wrappers)
     input_dtype: torch.dtype | None  # DeepSpeed's weights' dtype for floating inputs
-    total_steps: int
-    per_epoch: int
-    epochs: int
+    total_steps: int | None  # None: --epochs over a stream whose length is learnt in its first epoch
+    per_epoch: int | None  # None: not known yet (a stream)
+    epochs: int | None  # None: --max-steps over a stream of unknown length
     checkpoint_steps: int | None  # --checkpoint-every N (steps), parsed once
     flops: int  # per training sample
     parameters: dict  # name -> shape, recorded in checkpoints
@@ -204,11 +236,16 @@ class Run:
     clock: Clock
     started: float
     epoch: int = 0
+    stream_resume: dict | None = None  # how a resumed stream reached its position (streams.StreamLoader.resumed)
     last_tables: dict = None  # the last evaluation's tables: confusion_matrix, per_class
 
     @property
     def world(self) -> int:
         return self.accelerator.num_processes
+
+    @property
+    def streaming(self) -> bool:  # the training set is a stream (streams.py)
+        return isinstance(self.train_loader, StreamLoader)
 
     @property
     def per_process_batch(self) -> int:  # of one micro-batch
@@ -227,9 +264,12 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
                                                                      checked)
     tuning = _fine_tuning(cfg, model, resumed)  # --init-from, --freeze (before the groups and prepare)
     notes += tuning["notes"]
-    optimizer, scheduler, per_epoch, total_steps = _optimizer(cfg, model, job)
+    optimizer, scheduler, per_epoch, total_steps = _optimizer(cfg, model, job, resumed)
     world = accelerator.num_processes
-    train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate)
+    agree = None if world == 1 else (
+        lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist())
+    train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
+                                              accelerator.process_index, agree, job.dataset_name)
     input_dtype = engines.prepare_deepspeed(accelerator, cfg.batch_size // (world * cfg.grad_accum))
     # Batches of tensors already on the training device need no copy: Accelerate's send_to_device would
     # still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed and Megatron-LM refuse
@@ -242,11 +282,14 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     )
     ema, averaged = _ema(cfg, accelerator, model)
     state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, checked.items))
+    if isinstance(train_loader, StreamLoader):
+        state.stream = {"epoch": 0, "start": 0, "samples": 0, "state": None, "epoch_steps": per_epoch}
     if resumed:
         with checkpoints.reading(resume):
             accelerator.load_state(str(resume))
-        checkpoints.check_random_states(accelerator, resume)
-        state.load(resumed, accelerator.process_index)
+        checkpoints.check_random_states(accelerator, resume, resumed["world_size"])
+        state.load(resumed, accelerator.process_index, world)
+        notes += checkpoints.elastic_note(resumed["world_size"], world)
     # Startup succeeded: only now does the run write anything.
     processes.main_decides(lambda: lock_run_folder(out, resume is not None))
     files = RunFiles(out, enabled=accelerator.is_main_process, resumed_step=state.step if resumed else None)
@@ -255,7 +298,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     saver.last = resume
     if cfg.log_with:
         accelerator.init_trackers("acc_trainer", config=_tracker_config(cfg))
-    epochs = math.ceil(total_steps / per_epoch)
+    epochs = math.ceil(total_steps / per_epoch) if per_epoch else None if cfg.max_steps else cfg.epochs
     r = Run(cfg=cfg, job=job, accelerator=accelerator, engine=engine, model=model, optimizer=optimizer,
             scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader, loss_fn=loss_fn,
             eval_loss_fn=loss_fn if checked.eval_loss else None,
@@ -368,10 +411,16 @@ def _notes(checked: Checked, model, world: int, engine: str) -> list[str]:
     return notes
 
 
-def _optimizer(cfg: TrainConfig, model, job: Workload) -> tuple:
-    """The optimizer and LR schedule, over the run's optimizer steps (--max-steps wins over --epochs)."""
-    per_epoch = steps_per_epoch(job.data, cfg)
-    total_steps = cfg.max_steps or cfg.epochs * per_epoch
+def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = None) -> tuple:
+    """The optimizer and LR schedule, over the run's optimizer steps (--max-steps wins over --epochs). A stream
+    that does not say its length has it learnt in its first epoch (kept in checkpoints): until then the
+    run's length is unknown, which a schedule over the run's length cannot start without."""
+    per_epoch = steps_per_epoch(job.data, cfg) or ((resumed or {}).get("stream") or {}).get("epoch_steps")
+    total_steps = cfg.max_steps or (cfg.epochs * per_epoch if per_epoch else None)
+    if total_steps is None and (job.scheduler or cfg.scheduler not in ("constant",)):
+        raise ConfigError(f"--scheduler {cfg.scheduler if not job.scheduler else 'factory'} needs the run's length, and the "
+                          f"stream of {job.dataset_name} does not say how many samples it has (no __len__): give "
+                          "--max-steps, or --scheduler constant")
     lr = cfg.lr * cfg.batch_size / cfg.lr_reference_batch if cfg.scale_lr else cfg.lr
     optimizer = build_optimizer(cfg, param_groups(cfg, model, lr), lr, job.optimizer)
     return optimizer, build_scheduler(cfg, optimizer, lr, total_steps, per_epoch, job.scheduler), per_epoch, total_steps
@@ -429,7 +478,8 @@ def _announce(r: Run) -> None:
         f"[bold]acc_trainer[/] {r.job.model_name} on {r.job.dataset_name}: {r.world} process(es) "
         f"({accelerator.distributed_type.value}, {accelerator.device.type}), precision {accelerator.mixed_precision}, "
         f"global batch {cfg.batch_size} = {r.world} x {cfg.grad_accum} x {r.per_process_batch}, "
-        f"{r.total_steps} steps" + (f", resuming at step {r.state.step} from {r.resume}" if r.resume else "")
+        + (f"{r.total_steps} steps" if r.total_steps else "steps: as many as the stream gives (learnt in its first epoch)")
+        + (f", resuming at step {r.state.step} from {r.resume}" if r.resume else "")
     )
     for note in r.notes:
         r.progress.print(note)
@@ -447,11 +497,15 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
     if _frozen_now(r):
         for norm in r.tuning["frozen_norms"]:
             norm.eval()  # their running statistics stay as they are
-    r.progress.new_epoch(r.epoch, done=state.step - r.epoch * r.per_epoch)
-    # The epoch seeds the shuffle; a resumed epoch skips the micro-batches it has already seen.
-    seen = (state.step - r.epoch * r.per_epoch) * cfg.grad_accum
-    batches = accelerator.skip_first_batches(r.train_loader, seen) if seen else r.train_loader
-    batches.set_epoch(r.epoch)
+    if r.streaming:  # read from the stream's position (the loader moves it on as it hands out each step)
+        r.progress.new_epoch(r.epoch, done=state.step - state.stream["start"], first_step=state.stream["start"])
+        batches = r.train_loader.epoch(r.epoch, state.stream)
+    else:
+        r.progress.new_epoch(r.epoch, done=state.step - r.epoch * r.per_epoch)
+        # The epoch seeds the shuffle; a resumed epoch skips the micro-batches it has already seen.
+        seen = (state.step - r.epoch * r.per_epoch) * cfg.grad_accum
+        batches = accelerator.skip_first_batches(r.train_loader, seen) if seen else r.train_loader
+        batches.set_epoch(r.epoch)
     if r.augment:
         r.augment.set_epoch(r.epoch)  # and each sample's augmentation, whatever process or batch reads it
     clock.batch_ready = time.perf_counter()
@@ -476,15 +530,46 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
             continue
         state.step += 1
         r.progress.step()
+        if r.streaming and r.train_loader.resumed and r.start_step == state.step - 1:
+            _resumed_stream(r)
         if state.step % cfg.log_every == 0 or state.step == r.total_steps:
             log_interval(r)
-        # At an epoch's last step, checkpoints and stops wait for that epoch's evaluation.
-        if state.step == r.total_steps or state.step % r.per_epoch == 0:
+        # At an epoch's last step, checkpoints and stops wait for that epoch's evaluation (a stream's last step
+        # is known only once it ends: a checkpoint there resumes into the evaluation).
+        if state.step == r.total_steps or (not r.streaming and state.step % r.per_epoch == 0):
             return
         if r.checkpoint_steps and state.step % r.checkpoint_steps == 0:
             save_checkpoint(r)
         stop_if_signalled(r, signals, check=state.step % cfg.log_every == 0)
         clock.batch_ready = time.perf_counter()  # logging and checkpoints are not waiting for data
+    if r.streaming:
+        _stream_ended(r)
+
+
+def _stream_ended(r: Run) -> None:
+    """The stream's epoch is over: its length is learnt from the first (the run's length then known), and the
+    position moves to the next epoch's start."""
+    state, position = r.state, r.state.stream
+    steps = state.step - position["start"]
+    if r.per_epoch is None:
+        r.per_epoch = position["epoch_steps"] = steps
+        if r.total_steps is None:
+            r.total_steps = r.epochs * steps
+        r.epochs = r.epochs or math.ceil(r.total_steps / max(steps, 1))
+        r.progress.learnt(r.total_steps, r.per_epoch, r.epochs)
+    elif steps != r.per_epoch:
+        r.progress.print(f"note: epoch {r.epoch + 1} of the stream had {steps} steps, the first {r.per_epoch}")
+    state.stream = {"epoch": r.epoch + 1, "start": state.step, "samples": 0, "state": None,
+                    "epoch_steps": position["epoch_steps"]}
+
+
+def _resumed_stream(r: Run) -> None:
+    """How long the resumed stream took to reach its position, said once and kept for the summary."""
+    how = r.train_loader.resumed
+    r.stream_resume = how
+    r.progress.print(f"stream resumed at sample {how['samples']:,} of epoch {r.epoch + 1}: "
+                     + ("loaded its saved position" if how["how"] == "saved state" else "read again from the epoch's start")
+                     + f" in {how['seconds']:.2f} s")
 
 
 def optimizer_step(r: Run, guarded: bool) -> None:
@@ -636,9 +721,9 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
     unreadable, has_loss = [], True
     with torch.no_grad():
         for batch in loader:
-            if isinstance(batch, Uncollated):  # a user's collate function: collated once the real samples are known
+            if isinstance(batch, Uncollated):  # a user's collate function (or a stream): collated once the real samples are known
                 size = len(batch)
-                real = _real_samples(accelerator, size)
+                real = batch.real if batch.real is not None else _real_samples(accelerator, size)
                 batch = send_to_device(batch.first(max(real, 1)), accelerator.device, non_blocking=True)
                 if guarded:
                     batch, indices = batch
@@ -697,7 +782,7 @@ def keep_evaluation(r: Run, results: dict) -> None:
     r.files.log({"step": state.step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in results.items()}})
     if cfg.log_with:
         r.accelerator.log({f"eval/{k}": v for k, v in results.items() if k != "samples"}, step=state.step)
-    r.progress.print(f"epoch {epoch + 1}/{r.epochs}: " + _format_eval(results))
+    r.progress.print(f"epoch {epoch + 1}/{r.epochs or '?'}: " + _format_eval(results))
     for flag, name in (("--save-best", cfg.save_best), ("--early-stop", cfg.early_stop)):
         if name is not None and name not in results:
             raise ConfigError(f"{flag} {name}: the evaluation has no such result (it has {', '.join(results)})")
@@ -924,7 +1009,8 @@ def run_summary(r: Run, ranks_agree: bool) -> dict:
         "bad_sample_steps": state.bad_sample_steps,
         "loss_scale_skipped_steps": state.loss_scale_skipped_steps,
         "unreadable_samples": state.unreadable_samples,
-        "epochs": r.epochs,
+        "epochs": r.epochs or r.epoch + 1,
+        "stream_resume": r.stream_resume,  # a resumed stream: how it reached its position, and in how long
         "train_samples": state.step * cfg.batch_size,
         "eval": {k: v for k, v in final.items() if k not in ("samples", "step", "epoch")} if final else None,
         "eval_samples": final["samples"] if final else 0,

@@ -94,7 +94,7 @@ def build_scheduler(cfg: TrainConfig, optimizer, lr: float, total_steps: int, st
         if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
             raise ConfigError(f"the scheduler factory returned {type(scheduler).__name__}, not a learning-rate scheduler")
         return scheduler
-    warmup = min(cfg.warmup_steps, total_steps)
+    warmup = cfg.warmup_steps if total_steps is None else min(cfg.warmup_steps, total_steps)  # None: a stream's
     if cfg.scheduler == "onecycle":
         # One-cycle has its own warmup; --warmup-steps sets its length (torch's default is 30 %).
         pct = warmup / total_steps if warmup else 0.3

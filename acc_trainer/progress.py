@@ -37,7 +37,7 @@ class Progress:
                 console=self.console,
             )
             self._run = self._bars.add_task("steps", total=total_steps, stats="")
-            self._epoch = self._bars.add_task("epoch 1", total=min(steps_per_epoch, total_steps), stats="")
+            self._epoch = self._bars.add_task("epoch 1", total=_least(steps_per_epoch, total_steps), stats="")
 
     def __enter__(self) -> "Progress":
         if self._bars is not None:
@@ -52,13 +52,21 @@ class Progress:
         if self.enabled:
             self.console.print(*args, **kwargs)
 
-    def new_epoch(self, epoch: int, done: int = 0) -> None:
-        """Start epoch `epoch` (0-based) with `done` of its steps already made (a resumed run)."""
+    def new_epoch(self, epoch: int, done: int = 0, first_step: int | None = None) -> None:
+        """Start epoch `epoch` (0-based) with `done` of its steps already made (a resumed run); `first_step`: the
+        run's step when the epoch began (a stream's epochs may differ in length)."""
         if self._bars is not None:
-            remaining = self.total_steps - epoch * self.steps_per_epoch
-            self._bars.reset(self._epoch, total=min(self.steps_per_epoch, remaining), completed=done,
+            first_step = epoch * self.steps_per_epoch if first_step is None else first_step
+            remaining = self.total_steps - first_step if self.total_steps is not None else None
+            self._bars.reset(self._epoch, total=_least(self.steps_per_epoch, remaining), completed=done,
                              description=f"epoch {epoch + 1}")
-            self._bars.update(self._run, completed=epoch * self.steps_per_epoch + done)
+            self._bars.update(self._run, completed=first_step + done)
+
+    def learnt(self, total_steps: int, steps_per_epoch: int, epochs: int) -> None:
+        """A stream's first epoch has ended: the run's length is known."""
+        self.total_steps, self.steps_per_epoch, self.epochs = total_steps, steps_per_epoch, epochs
+        if self._bars is not None:
+            self._bars.update(self._run, total=total_steps)
 
     def step(self) -> None:
         if self._bars is not None:
@@ -70,7 +78,13 @@ class Progress:
         if self._bars is not None:
             self._bars.update(self._run, stats=stats)
         elif self.enabled:
-            self.console.print(f"epoch {epoch + 1}/{self.epochs}  step {step}/{self.total_steps}  {stats}")
+            self.console.print(f"epoch {epoch + 1}/{self.epochs or '?'}  step {step}/{self.total_steps or '?'}  {stats}")
+
+
+def _least(*sizes: int | None) -> int | None:
+    """The smallest of the sizes that are known (None when none is: rich then shows no total)."""
+    known = [s for s in sizes if s is not None]
+    return min(known) if known else None
 
 
 def best_evaluation(evals: list[dict]) -> dict | None:

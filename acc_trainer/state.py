@@ -2,8 +2,9 @@
 
 `RunState` is everything of the loop's progress besides what `accelerator.save_state` writes (model,
 optimizer, scheduler, RNGs): the step, the evaluations so far, the best one, steps skipped and the
-losses of the current log interval. The position in the data is the step: every epoch has exactly
-`steps_per_epoch` steps, so nothing else is needed to continue where a run stopped.
+losses of the current log interval. The position in a map-style dataset is the step: every epoch has
+exactly `steps_per_epoch` steps, so nothing else is needed to continue where a run stopped; a stream's
+position (its epoch, the samples read in it, its own saved state) is kept besides (streams.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class IntervalLosses:
         self.grad_accum, self.device, self.first_step, self.counted = grad_accum, device, 1, counted
         self.values: list[torch.Tensor] = []
         self.items: list[torch.Tensor] = []  # each micro-batch's item count, for losses summed over items
+        # Each mean's weight, where not all are 1: the first interval of a run continued on another number of
+        # processes holds means over shares of another size (load).
+        self.weights: list[float] = []
         self.parts: list[torch.Tensor] = []  # each micro-batch's named losses, stacked
         self.part_names: list[str] = []
 
@@ -48,6 +52,8 @@ class IntervalLosses:
             raise ValueError("the loss returned one number for some batches and (sum, count) for others; it must "
                              "return the same form for every batch")
         self.values.append(loss.value.detach())
+        if self.weights:
+            self.weights.append(1.0)
         if loss.items is not None:
             self.items.append(loss.items)
         if loss.parts:
@@ -60,14 +66,16 @@ class IntervalLosses:
 
     def restart(self, step: int) -> None:
         """A new interval, whose first step is step + 1."""
-        self.values, self.items, self.parts, self.first_step = [], [], [], step + 1
+        self.values, self.items, self.parts, self.weights, self.first_step = [], [], [], [], step + 1
 
     def _rows(self) -> list[list[float]]:
         """One row per micro-batch: [loss, items (1 for a mean), *parts], on the host."""
         if not self.values:
             return []
         columns = [torch.stack(self.values).double()]
-        columns.append(torch.stack(self.items).double() if self.items else torch.ones_like(columns[0]))
+        columns.append(torch.stack(self.items).double() if self.items else
+                       torch.tensor(self.weights, dtype=torch.float64, device=columns[0].device) if self.weights else
+                       torch.ones_like(columns[0]))
         if self.parts:
             columns.append(torch.stack(self.parts).double().T)
         return torch.cat([c.reshape(-1, len(self.values)) for c in columns]).T.tolist()
@@ -79,6 +87,8 @@ class IntervalLosses:
         finite = [row for row in rows if all(math.isfinite(v) for v in row)]
         first_bad = next((i for i, row in enumerate(rows) if not math.isfinite(row[0])), -1)
         width = 2 + len(self.part_names)
+        if not self.counted:  # means: each weighs its row's weight (1 but after a resume on other processes)
+            finite = [[row[0] * row[1], row[1], *(part * row[1] for part in row[2:])] for row in finite]
         totals = [sum(row[i] for row in finite) for i in range(width)] if finite else [0.0] * width
         mine = [*totals, first_bad]
         ranks = [mine] if accelerator.num_processes == 1 else accelerator.gather(
@@ -96,21 +106,44 @@ class IntervalLosses:
         return bool(accelerator.reduce((~torch.isfinite(recent)).sum().float(), "sum").item() > 0)
 
     def state(self, accelerator: Accelerator) -> dict:
-        """For a checkpoint: every process's losses so far in the interval (all processes call this; every
-        process has made as many micro-batches). Rows of [loss, items, *parts] when there are items or
-        parts, else the losses alone (the format of checkpoints from before items and parts)."""
-        plain = not self.items and not self.parts
-        if not self.values:
-            return {"first_step": self.first_step, "count": 0, "values": [[]] * accelerator.num_processes,
-                    "part_names": self.part_names, "items": bool(self.items)}
-        rows = torch.tensor(self._rows(), dtype=torch.float64, device=self.device)
-        local = rows[:, 0].float() if plain else rows
-        return {"first_step": self.first_step, "count": len(self.values), "values": accelerator.gather(local[None]).tolist(),
-                "part_names": self.part_names, "items": bool(self.items)}
+        """For a checkpoint: every process's losses so far in the interval (all processes call this). Rows of
+        [loss, items, *parts] when there are items or parts, else the losses alone (the format of checkpoints
+        from before items and parts). Processes hold as many micro-batches, except in the first interval of a
+        run continued on another number of processes (`load`): each keeps its own count."""
+        world = accelerator.num_processes
+        mine = [len(self.values), int(bool(self.weights))]
+        everyone = [mine] if world == 1 else accelerator.gather(torch.tensor([mine], device=self.device)).tolist()
+        counts = [int(row[0]) for row in everyone]
+        if not any(counts):
+            return {"first_step": self.first_step, "count": 0, "values": [[]] * world,
+                    "part_names": self.part_names, "items": self.counted}
+        plain = not self.counted and not self.part_names and not any(row[1] for row in everyone)
+        if self.values:
+            rows = torch.tensor(self._rows(), dtype=torch.float64, device=self.device)
+            local = rows[:, 0].float() if plain else rows
+        else:
+            local = torch.zeros((0,) if plain else (0, 2 + len(self.part_names)),
+                                dtype=torch.float32 if plain else torch.float64, device=self.device)
+        if world > 1 and len(set(counts)) > 1:
+            local = accelerator.pad_across_processes(local, dim=0)
+        everything = local[None].tolist() if world == 1 else accelerator.gather(local[None]).tolist()
+        return {"first_step": self.first_step, "count": max(counts), "counts": counts,
+                "values": [rows[:n] for rows, n in zip(everything, counts)], "part_names": self.part_names,
+                "items": self.counted}
 
-    def load(self, state: dict, process_index: int) -> None:
+    def load(self, state: dict, process_index: int, world: int | None = None) -> None:
+        """This process's losses of the interval. Continued on another number of processes, process i takes
+        those of every old process j with j % world == i (one after the other): the interval's totals and
+        counts stay whole, only its per-process split changes. A mean over an old process's share weighs
+        (new processes / old processes) of a mean over a new one's, so that every sample weighs the same."""
         self.first_step = state["first_step"]
-        mine = state["values"][process_index][: state["count"]]
+        saved = state["values"]
+        counts = state.get("counts") or [state["count"]] * len(saved)
+        scale = 1.0 if world is None else world / len(saved)
+        if world is None or world == len(saved):
+            mine = saved[process_index][: counts[process_index]]
+        else:
+            mine = [row for j in range(process_index, len(saved), world) for row in saved[j][: counts[j]]]
         self.part_names = state.get("part_names", [])
         if mine and self.counted != bool(state.get("items")):
             # Written by a version that did not count this loss's items: its means cannot join the interval's sums.
@@ -119,11 +152,14 @@ class IntervalLosses:
             self.values = [torch.tensor(row[0], dtype=torch.float32, device=self.device) for row in mine]
             self.items = [torch.tensor(row[1], dtype=torch.float64, device=self.device) for row in mine] \
                 if state.get("items") else []
+            self.weights = [] if state.get("items") else [row[1] * scale for row in mine]
             self.parts = [torch.tensor(row[2:], dtype=torch.float32, device=self.device) for row in mine] \
                 if self.part_names else []
         else:
             self.values = [torch.tensor(v, dtype=torch.float32, device=self.device) for v in mine]
-            self.items, self.parts = [], []
+            self.items, self.parts, self.weights = [], [], [scale] * len(mine)
+        if self.weights and all(w == 1.0 for w in self.weights):
+            self.weights = []
 
 
 @dataclass
@@ -141,20 +177,22 @@ class RunState:
     early_best: float | None = None  # --early-stop: the best value so far
     stale_evals: int = 0  # --early-stop: evaluations since it last improved
     stopped_early: dict | None = None  # --early-stop: why and where the run stopped
+    stream: dict | None = None  # a stream's position: epoch, start (its first step), samples, state, epoch_steps
     unreadable_now: list[int] = field(default_factory=list)  # this step's unreadable indices, not saved
 
     SAVED = ("step", "skipped_steps", "bad_sample_steps", "loss_scale_skipped_steps", "unreadable_samples", "evals",
-             "best", "early_best", "stale_evals", "stopped_early")
+             "best", "early_best", "stale_evals", "stopped_early", "stream")
 
     def saved(self, accelerator: Accelerator) -> dict:
         """For a checkpoint (every process calls this: the losses are gathered)."""
         return {**{name: getattr(self, name) for name in self.SAVED}, "losses": self.losses.state(accelerator)}
 
-    def load(self, saved: dict, process_index: int) -> None:
+    def load(self, saved: dict, process_index: int, world: int | None = None) -> None:
+        """`world`: this run's processes, when the checkpoint's were another number (IntervalLosses.load)."""
         for name in self.SAVED:  # checkpoints written before a field existed keep its default
             if name in saved:
                 setattr(self, name, saved[name])
-        self.losses.load(saved["losses"], process_index)
+        self.losses.load(saved["losses"], process_index, world)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from ..config import ConfigError, TrainConfig
 from ..progress import make_console
 
 BASELINES = ("raw", "raw-ddp", "dp", "ceiling")
-PIPELINES = ("batched", "per-sample")
+PIPELINES = ("batched", "per-sample", "stream")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "2+ GPUs only), ceiling (the model and optimizer on batches already on the device, "
                              "1 process) (default: all)")
     parser.add_argument("--pipelines", default="batched",
-                        help="data pipelines acc_trainer runs with, batched and/or per-sample (see --data-pipeline); "
-                             "each also gets a data-only row, its loader alone (default: batched)")
+                        help="data pipelines acc_trainer runs with: batched and/or per-sample (see --data-pipeline), "
+                             "and stream (the same samples written as parquet shards and streamed by Hugging Face "
+                             "datasets, which must be installed); each also gets a data-only row, its loader alone "
+                             "(default: batched)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default: 60)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each variant; the median counts (default: 5)")
     parser.add_argument("--whole-process", action="store_true",
@@ -83,7 +85,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     return args, cfg
 
 
-IMPLEMENTATION = {"batched": "acc_trainer", "per-sample": "acc_trainer per-sample"}
+IMPLEMENTATION = {"batched": "acc_trainer", "per-sample": "acc_trainer per-sample", "stream": "acc_trainer stream"}
 PIPELINE = {name: pipeline for pipeline, name in IMPLEMENTATION.items()}
 
 
@@ -95,16 +97,18 @@ def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
     from .. import augment, components
     from ..loaders import build_loaders
 
-    cfg = replace(cfg, data_pipeline=pipeline)
+    cfg = replace(cfg, data_pipeline=pipeline if pipeline != "stream" else cfg.data_pipeline)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
     data = components.build_data(cfg)
     augmentation = augment.from_config(cfg, data)
-    loader, _ = build_loaders(cfg, data, 1, device, augmentation)
+    loader, _ = build_loaders(cfg, data, 1, device, augmentation, components.build_batching(cfg.collate, None)[0])
     done, start = 0, None
     for epoch in range(batches):
         if augmentation:
             augmentation.set_epoch(epoch)
-        for batch in loader:
+        batches_of_epoch = loader.epoch(epoch, {"epoch": epoch, "samples": 0, "state": None}) \
+            if hasattr(loader, "epoch") and not hasattr(loader, "set_epoch") else loader
+        for batch in batches_of_epoch:
             if start is None:  # the first batch starts workers: not counted
                 start = time.perf_counter()
                 continue
@@ -115,6 +119,68 @@ def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
                     torch.cuda.synchronize()
                 return done * (cfg.batch_size // cfg.grad_accum) / (time.perf_counter() - start)  # micro-batches
     raise ConfigError(f"the data pipeline bench needs more than {batches} batches of the training set")
+
+
+# ---------------------------------------------------------------------- the stream pipeline
+
+
+def write_stream(cfg: TrainConfig, folder: Path, shards: int = 4) -> TrainConfig:
+    """The workload's samples as parquet shards in `folder` (images as nested fixed-size lists, which
+    `datasets` hands back as tensors of their shape), and the options that stream them (`stream_data`)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .. import components
+
+    data = components.build_data(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, dataset in (("train", data.train), ("eval", data.eval)):
+        if not hasattr(dataset, "tensors"):
+            raise ConfigError("--pipelines stream writes a dataset held in memory (synthetic, fake, linear, cifar10 "
+                              f"batched) as parquet shards; {cfg.dataset} is not one")
+        images, y = dataset.tensors[0], dataset.tensors[1].cpu().numpy()
+        prepare = getattr(dataset, "prepare", None)  # as the model takes them
+        x = (prepare(images) if prepare is not None else images.float()).cpu().numpy()
+        for i, part in enumerate(np.array_split(np.arange(len(x)), shards if split == "train" else 1)):
+            column = pa.array(np.ascontiguousarray(x[part]).reshape(-1))
+            for size in reversed(x.shape[1:]):
+                column = pa.FixedSizeListArray.from_arrays(column, size)
+            pq.write_table(pa.table({"x": column, "y": pa.array(y[part])}), folder / f"{split}-{i:05d}.parquet")
+    return replace(cfg, dataset=f"{__name__}:stream_data", dataset_args={"folder": str(folder),
+                   "num_classes": data.num_classes}, collate=None, augment="none")
+
+
+class Pairs:
+    """A `datasets` stream's {"x", "y"} samples as (x, y) pairs, its position and epochs passed through."""
+
+    def __init__(self, stream, num_classes: int | None):
+        self.stream, self.num_classes = stream, num_classes
+
+    def __iter__(self):
+        for sample in self.stream:
+            yield sample["x"], sample["y"]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.stream.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+
+def stream_data(folder: str, num_classes: int | None = None):
+    """`--dataset acc_trainer.tools.bench:stream_data`: the parquet shards write_stream wrote, streamed."""
+    from datasets import load_dataset
+
+    def stream(split: str):
+        files = sorted(str(p) for p in Path(folder).glob(f"{split}-*.parquet"))
+        return Pairs(load_dataset("parquet", data_files=files, split="train", streaming=True).with_format("torch"),
+                     num_classes)
+
+    return stream("train"), stream("eval")
 
 
 def variants(args, gpus: int) -> list[tuple[str, int]]:
@@ -160,7 +226,7 @@ def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder:
     python = [sys.executable]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if kind in PIPELINE:
-        cfg = replace(cfg, data_pipeline=PIPELINE[kind])
+        cfg = replace(cfg, data_pipeline=PIPELINE[kind]) if PIPELINE[kind] != "stream" else cfg
         run_dir = folder / f"acc_trainer-{processes}p-{time.time_ns()}"
         args = ["-m", "acc_trainer", *_options(cfg), "--max-steps", str(steps), "--output-dir", str(run_dir),
                 "--progress", "none"]
@@ -296,6 +362,7 @@ def main(argv: list[str]) -> None:
     cfg.eval_size = min(cfg.eval_size, cfg.batch_size)
     folder = Path(args.bench_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model}-{cfg.dataset}")
     folder.mkdir(parents=True, exist_ok=True)
+    streamed = write_stream(cfg, folder / "parquet") if "stream" in args.pipelines else None  # the same samples
     console.print(f"[bold]acc-trainer bench[/] {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, "
                   f"{args.steps} steps, {args.repeats} repeats: {', '.join(f'{k}@{n}' for k, n in names)}")
     if "dp" in args.baselines and gpus < 2:
@@ -304,9 +371,10 @@ def main(argv: list[str]) -> None:
     for repeat in range(args.repeats):
         order = names[repeat % len(names):] + names[: repeat % len(names)]
         for kind, n in order:
-            result = run_variant(kind, n, cfg, args.steps, folder / "runs")
+            workload = streamed if kind == IMPLEMENTATION["stream"] else cfg
+            result = run_variant(kind, n, workload, args.steps, folder / "runs")
             if args.whole_process:  # the same variant at twice the steps: the difference is steps, not start-up
-                longer = run_variant(kind, n, cfg, 2 * args.steps, folder / "runs")
+                longer = run_variant(kind, n, workload, 2 * args.steps, folder / "runs")
                 result["whole_samples_per_s"] = args.steps * cfg.batch_size / max(longer["wall_s"] - result["wall_s"],
                                                                                    1e-9)
             runs[f"{kind}@{n}"].append(result)
@@ -315,7 +383,8 @@ def main(argv: list[str]) -> None:
     pipelines = {}
     if len(args.pipelines) > 1:  # the loaders alone, median of the repeats
         for pipeline in args.pipelines:
-            pipelines[pipeline] = statistics.median(pipeline_speed(cfg, pipeline, args.steps) for _ in range(args.repeats))
+            pipelines[pipeline] = statistics.median(pipeline_speed(streamed if pipeline == "stream" else cfg, pipeline,
+                                                                   args.steps) for _ in range(args.repeats))
             console.print(f"  data pipeline {pipeline:>10}: {pipelines[pipeline]:>10,.0f} samples/s")
     machine = machine_description()
     report = {"workload": cfg.to_dict(), "steps": args.steps, "repeats": args.repeats, "machine": machine,

@@ -1,0 +1,356 @@
+"""Streams: iterable datasets (a user's `IterableDataset`, a Hugging Face `datasets` stream, a database
+cursor) read in their own order, with the same guarantees as datasets held in memory.
+
+How a stream is shared: every process reads the whole stream, cuts it into global batches of
+`--batch-size` samples (one per optimizer step) and collates only its own share of each micro-batch, the
+same slice Accelerate gives it of a map-style batch (`split_batches=True`). So a step trains on the same
+global batch on any number of processes, no sample is used twice in a step, and every process makes as
+many steps whatever the shards (none of them ends early: they read the same stream). The last samples
+of an epoch that do not fill a global batch are left out, as the map-style loader leaves them out.
+A stream that gives each process other samples (split by process already) is refused at start.
+
+Accelerate shards an iterable dataset itself (`IterableDatasetShard`, or `dispatch_batches`, which
+reads on one process and broadcasts tensors only), but cannot resume one without reading it again from
+its start, and pads the last evaluation batch with repeated samples that it cannot leave out of a stream
+of unknown length. So a stream's loader is this module's, and passes through `prepare` untouched.
+
+Position: after every step the loader records `{"epoch", "samples", "state"}` (samples read in the epoch,
+and the stream's `state_dict()` where it can save its position). A resumed run loads that state, or,
+for a stream that cannot (or a `datasets` stream with a shuffle buffer, whose saved state leaves the
+buffer's samples out), reads the stream again from the epoch's start and skips what was consumed: the
+time either takes is reported. The position counts samples of the whole stream, not of a process,
+so a checkpoint continues on another number of processes.
+
+Read-ahead: a thread per process reads and collates the next `AHEAD` steps while the current one trains.
+Faults: a stream that cannot be read (OSError, pyarrow's errors for a damaged file) stops every process at
+the same step, naming the file where the error says it; an empty stream, or one shorter than one global
+batch, is one line at start. Each step begins with one all-reduce of two numbers (every process has
+a step; none failed), as the map-style loader's unreadable-sample check does.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import default_collate
+
+from .config import ConfigError, first_line
+from .data import Uncollated
+
+AHEAD = 2  # steps read ahead of the one training
+
+
+def saves_position(dataset) -> bool:
+    """Whether a resumed run can load the stream's saved position instead of reading it again: it has
+    `state_dict()` and `load_state_dict()`, and the state is the whole position. A `datasets` stream with a
+    shuffle buffer is not (its documentation: the buffer's samples are lost on resume), found in its chain of
+    example iterables (the narrowest place that says so)."""
+    if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
+        return False
+    part, seen = getattr(dataset, "_ex_iterable", None), 0
+    while part is not None and seen < 100:
+        if type(part).__name__ == "BufferShuffledExamplesIterable":
+            return False
+        part, seen = getattr(part, "ex_iterable", None), seen + 1
+    return True
+
+
+def start_epoch(dataset, epoch: int) -> None:
+    """Streams that shuffle per epoch (`datasets`' shuffle(seed, buffer_size)) are told the epoch."""
+    if callable(getattr(dataset, "set_epoch", None)):
+        dataset.set_epoch(epoch)
+
+
+_heads: dict[int, tuple] = {}  # id(stream) -> (stream, its first samples, whether that is all of it)
+
+
+def first(dataset, n: int) -> list:
+    """The first `n` samples of epoch 0 (fewer when the stream is shorter), read once per run: every check at
+    start looks at them, and opening a stream can cost (`datasets` waits 5 s for pyarrow's threads whenever a
+    shuffled parquet stream is left before its end)."""
+    held = _heads.get(id(dataset))
+    if held is None or held[0] is not dataset or (len(held[1]) < n and not held[2]):
+        start_epoch(dataset, 0)
+        with naming_files():
+            samples = list(islice(iter(dataset), max(n, 16)))
+        held = _heads[id(dataset)] = (dataset, samples, len(samples) < max(n, 16))
+    return held[1][:n]
+
+
+def forget() -> None:
+    """A new run reads its streams' first samples again."""
+    _heads.clear()
+
+
+def read_through(dataset, collate: Callable | None = None) -> tuple[int, list[str]]:
+    """`acc-trainer check-data` on a stream: reads epoch 0 to its end (each sample through `collate` alone, when
+    given). Returns the samples read and what went wrong: the read error that ended it (naming the file where
+    it can), or samples the collate function cannot batch."""
+    count, problems = 0, []
+    start_epoch(dataset, 0)
+    with naming_files() as named:
+        try:
+            for sample in dataset:
+                count += 1
+                if collate is not None:
+                    try:
+                        collate([sample])
+                    except Exception as e:  # noqa: BLE001 - named in the list, whatever the collate function raised
+                        problems.append(f"sample {count - 1} (the collate function raised {type(e).__name__}: "
+                                        f"{first_line(e)})")
+        except Exception as e:
+            if not is_read_error(e):
+                raise  # a bug in the stream's code: its traceback is the user's
+            problems.append(f"after sample {count:,}: {describe_error(e, named.files)}")
+    return count, problems
+
+
+def is_read_error(error: BaseException) -> bool:
+    """Data that cannot be read, not a bug in the stream's code: OSError, or pyarrow's errors (a damaged
+    parquet file is ArrowInvalid)."""
+    return isinstance(error, OSError) or type(error).__module__.startswith("pyarrow")
+
+
+def fingerprint(samples: list) -> list[float]:
+    """Two numbers that differ when the samples do (their sum, and a sum weighted by position)."""
+    flat = [torch.as_tensor(v).double().flatten() for v in _leaves(samples)]
+    if not flat:
+        return [0.0, 0.0]
+    values = torch.cat(flat)
+    return [float(values.sum()), float((values * torch.arange(1, len(values) + 1, dtype=torch.float64)).sum())]
+
+
+def _leaves(value) -> Iterator:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, (torch.Tensor, int, float, bool)):
+        yield value
+
+
+class StreamUnreadable(Exception):
+    """The stream could not be read at this step, on some process (raised on every process)."""
+
+
+class _NamedFiles(logging.Handler):
+    """`datasets` logs the file it failed to read ("Failed to read file '...'") and raises pyarrow's error
+    without it: the file name is taken from that record."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.files: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Failed to read file"):
+            self.files.append(message.split("'")[1] if message.count("'") >= 2 else message)
+
+
+class naming_files:
+    """While a stream is read: remembers the files `datasets` reports it could not read."""
+
+    def __enter__(self) -> _NamedFiles:
+        self.handler, self.logger = _NamedFiles(), logging.getLogger("datasets")
+        self.logger.addHandler(self.handler)
+        return self.handler
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self.handler)
+
+
+def describe_error(error: BaseException, files: list[str]) -> str:
+    where = getattr(error, "filename", None) or (files[-1] if files else None)
+    return (f"{where}: " if where and str(where) not in str(error) else "") + f"{type(error).__name__}: {first_line(error)}"
+
+
+@dataclass
+class _Step:
+    batches: list  # this process's share of each micro-batch, collated
+    samples: int  # samples read in the epoch after this step
+    state: Any  # the stream's state_dict() after this step's last sample, or None
+
+
+@dataclass
+class _End:
+    samples: int  # samples read in the epoch (the last incomplete global batch included)
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+    samples: int
+    files: list[str]
+
+
+class StreamLoader:
+    """Batches of a stream for one process: `epoch(e, position)` for training (each step's micro-batch
+    shares, on `device`), iteration for evaluation (`data.Uncollated` shares whose real size is known).
+
+    batch: samples per step (training: the global batch; evaluation: the global evaluation batch),
+    parts: micro-batches per step (grad_accum), world/rank: the processes, agree(list[int]) -> the sums over
+    every process (None on one process)."""
+
+    def __init__(self, dataset, batch: int, parts: int, world: int, rank: int, collate: Callable | None,
+                 device: torch.device, agree: Callable | None, name: str, train: bool = True):
+        self.dataset, self.batch, self.parts, self.world, self.rank = dataset, batch, parts, world, rank
+        self.collate, self.device, self.agree, self.name, self.train = collate or default_collate, device, agree, name, train
+        self.saves_position = saves_position(dataset)
+        self.resumed: dict | None = None  # how the last resume reached its position: how, samples, seconds
+        self.epoch_samples: int | None = None  # samples in the last whole epoch read
+
+    # ------------------------------------------------------------------ the process's share
+
+    def _share(self, samples: list) -> list:
+        """This process's slice of a micro-batch (Accelerate's split_batches slices alike)."""
+        size = len(samples) // self.world
+        return samples[self.rank * size:(self.rank + 1) * size]
+
+    def _eval_share(self, samples: list) -> tuple[list, int]:
+        """An evaluation batch split in contiguous shares, the first ones one sample longer when it does not
+        divide; an empty share carries one stand-in sample (every process calls the model) and real = 0."""
+        base, extra = divmod(len(samples), self.world)
+        start = self.rank * base + min(self.rank, extra)
+        mine = samples[start:start + base + (self.rank < extra)]
+        return (mine, len(mine)) if mine else (samples[:1], 0)
+
+    # ------------------------------------------------------------------ reading, in a thread
+
+    def _samples(self, epoch: int, skip: int, state) -> Iterator:
+        """The stream's samples of `epoch` after its first `skip` (from the saved `state` when there is one)."""
+        start_epoch(self.dataset, epoch)
+        if skip and state is not None and self.saves_position:
+            since = time.perf_counter()
+            self.dataset.load_state_dict(state)
+            samples = iter(self.dataset)
+            self.resumed = {"how": "saved state", "samples": skip, "seconds": None}
+            try:
+                head = next(samples)
+            except StopIteration:
+                self.resumed["seconds"] = time.perf_counter() - since
+                return
+            self.resumed["seconds"] = time.perf_counter() - since
+            yield head
+            yield from samples
+            return
+        samples = iter(self.dataset)
+        if skip:  # read again from the epoch's start: the samples only, nothing collated
+            since = time.perf_counter()
+            skipped = sum(1 for _ in islice(samples, skip))
+            self.resumed = {"how": "skipped", "samples": skipped, "seconds": time.perf_counter() - since}
+        yield from samples
+
+    def _read(self, epoch: int, skip: int, state, out: queue.Queue, stop: threading.Event) -> None:
+        read = skip
+        with naming_files() as named:
+            try:
+                samples = self._samples(epoch, skip, state)
+                while not stop.is_set():
+                    chunk = list(islice(samples, self.batch))
+                    read += len(chunk)
+                    if not chunk or (self.train and len(chunk) < self.batch):
+                        self.epoch_samples = read
+                        _put(out, _End(read), stop)
+                        return
+                    saved = self.dataset.state_dict() if self.saves_position else None
+                    if self.train:
+                        size = self.batch // self.parts
+                        batches = [self.collate(self._share(chunk[i * size:(i + 1) * size])) for i in range(self.parts)]
+                    else:
+                        batches = [self._eval_share(chunk)]
+                    _put(out, _Step(batches, read, saved), stop)
+            except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides (read error or bug)
+                _put(out, _Failed(e, read, list(named.files)), stop)
+
+    def _steps(self, epoch: int, skip: int, state) -> Iterator[_Step]:
+        """The steps of one epoch, agreed on by every process: all have one, or the epoch ends; a failure on
+        any process stops all."""
+        out, stop = queue.Queue(maxsize=AHEAD), threading.Event()
+        reader = threading.Thread(target=self._read, args=(epoch, skip, state, out, stop), daemon=True,
+                                  name="acc_trainer-stream")
+        reader.start()
+        try:
+            while True:
+                item = out.get()
+                have, failed = isinstance(item, _Step), isinstance(item, _Failed)
+                agreed = self.agree([int(have), int(failed)]) if self.agree else [int(have), int(failed)]
+                if agreed[1]:
+                    self._failure(item if failed else None, epoch)
+                if agreed[0] < self.world:
+                    if agreed[0]:
+                        raise ConfigError(f"the {'training' if self.train else 'evaluation'} stream of {self.name} "
+                                          "gives the processes different numbers of samples; every process must read the "
+                                          "same stream (acc_trainer gives each its share)")
+                    return
+                yield item
+        finally:
+            stop.set()
+            while reader.is_alive():  # let a reader blocked on a full queue see the stop
+                try:
+                    out.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+
+    def _failure(self, failed: _Failed | None, epoch: int) -> None:
+        """Every process raises: a read error as StreamUnreadable with the same line everywhere, a bug in the
+        stream's code as itself on the process that met it."""
+        from accelerate.utils import gather_object
+
+        if failed is not None and not is_read_error(failed.error):
+            raise failed.error
+        mine = [describe_error(failed.error, failed.files), failed.samples] if failed is not None else None
+        reports = [mine] if self.world == 1 else gather_object([mine])
+        found = next((r for r in reports if r is not None), None)
+        if found is None:  # another process's bug: it raises its own error
+            raise StreamUnreadable(f"another process's {'training' if self.train else 'evaluation'} stream failed")
+        raise StreamUnreadable(f"the {'training' if self.train else 'evaluation'} stream of {self.name} cannot be "
+                               f"read after sample {found[1]:,} of epoch {epoch + 1} ({found[0]})")
+
+    # ------------------------------------------------------------------ training and evaluation
+
+    def epoch(self, epoch: int, position: dict) -> Iterator:
+        """Training micro-batches of `epoch` from `position` (samples already read in it, and the stream's
+        state then); `position` is updated as each step is handed out (before its last micro-batch)."""
+        from accelerate.utils import send_to_device
+
+        self.resumed = None
+        skip = position["samples"] if position.get("epoch") == epoch else 0
+        for step in self._steps(epoch, skip, position.get("state")):
+            for i, batch in enumerate(step.batches):
+                if i == len(step.batches) - 1:
+                    position.update(epoch=epoch, samples=step.samples, state=step.state)
+                yield send_to_device(batch, self.device, non_blocking=True)
+
+    def __iter__(self):
+        """Evaluation: every sample once, in shares of `data.Uncollated` with their real size."""
+        for step in self._steps(0, 0, None):
+            samples, real = step.batches[0]
+            yield Uncollated(samples, self.collate, real=real)
+
+    def check_start(self, what: str, at_least: int) -> None:
+        """An empty stream, or one shorter than `at_least` samples, is one line before anything runs."""
+        got = len(first(self.dataset, at_least))
+        if got == 0:
+            raise ConfigError(f"the {what} stream of {self.name} is empty")
+        if got < at_least:
+            raise ConfigError(f"the {what} stream of {self.name} gives {got} samples, fewer than one global batch "
+                              f"(--batch-size {at_least})")
+
+
+def _put(out: queue.Queue, item, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
