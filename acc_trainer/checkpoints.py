@@ -244,8 +244,8 @@ def check_random_states(accelerator: Accelerator, path: Path, saved_world: int |
 
 
 def _restore_random_states(file: Path) -> None:
-    """Sets the CPU generators from an Accelerate random-states file (weights-only unpickling). Accelerate's
-    load_state reads only the file of the process's own index; a device generator keeps --seed's state."""
+    """Sets the generators (CPU, and CUDA where there is one) from an Accelerate random-states file (weights-only
+    unpickling): Accelerate's load_state reads only the file of the process's own index."""
     from accelerate.utils import load as load_weights_only
 
     try:

@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,11 +32,11 @@ from accelerate.utils import gather_object, send_to_device
 
 from . import components, processes
 from .config import ConfigError, TrainConfig, first_line
-from .data import Uncollated, one_at_a_time, reads_files
+from .data import Uncollated, is_stream, length, one_at_a_time, reads_files
 from .loaders import dataloader_config, evaluation_loader
 from .losses import forward, predictions
-from .data import is_stream, length
-from .streams import StreamLoader
+from .stopping import TrainingStopped
+from .streams import StreamLoader, StreamUnreadable
 
 FORMATS = (".jsonl", ".csv", ".npz")
 
@@ -84,6 +85,7 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
             lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist())
         loader = StreamLoader(dataset, per_process * world, 1, world, accelerator.process_index, job.collate,
                               accelerator.device, agree, job.dataset_name, train=False)
+        loader.check_start("evaluation", 1)
     else:
         loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
                                    collate=job.collate)
@@ -95,8 +97,10 @@ def _evaluate(cfg: TrainConfig, job: components.Workload, dataset) -> dict:
     from .loop import evaluate as evaluate_loop
 
     accelerator, model, loader, checked = _prepared(cfg, job, dataset)
-    results = evaluate_loop(accelerator, model, loader, checked.loss if checked.eval_loss else None, checked.metrics,
-                            guarded=reads_files(dataset), forward_fn=job.forward, tables=checked.tables)
+    with _stream_faults():
+        results = evaluate_loop(accelerator, model, loader, checked.loss if checked.eval_loss else None,
+                                checked.metrics, guarded=reads_files(dataset), forward_fn=job.forward,
+                                tables=checked.tables)
     results.pop("unreadable", None)
     if results.pop("unreadable_indices", None):
         raise ConfigError("some samples cannot be read; acc-trainer check-data lists them")
@@ -114,7 +118,7 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
     rows, index, unreadable = [], 0, 0
     guarded = reads_files(dataset)
     try:
-        with torch.no_grad(), _progress(accelerator.is_main_process and output is not None,
+        with _stream_faults(), torch.no_grad(), _progress(accelerator.is_main_process and output is not None,
                                          None if is_stream(dataset) else len(loader)) as advance:
             for batch in loader:
                 real = batch.real if isinstance(batch, Uncollated) else None  # known for a stream's shares
@@ -212,6 +216,15 @@ class _progress:
     def __exit__(self, *exc):
         if self.show:
             self.bar.stop()
+
+
+@contextmanager
+def _stream_faults():
+    """A stream that cannot be read ends the command with one line (every process agrees on it)."""
+    try:
+        yield
+    except StreamUnreadable as e:
+        raise TrainingStopped(str(e), code=1) from None
 
 
 def _count(output: Path) -> str:

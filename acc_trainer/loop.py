@@ -144,8 +144,9 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     with r.progress, StopSignals(r.accelerator) as signals, r.files.plots_if_stopped(cfg.plots), _naming_the_step(where):
         for epoch in epochs_left(r):
             r.epoch = epoch
-            with _stream_faults(r, "training"):
-                train_epoch(r, signals)
+            if r.total_steps is None or state.step < r.total_steps:  # else: resumed before the final evaluation
+                with _stream_faults(r, "training"):
+                    train_epoch(r, signals)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
             since = time.perf_counter()
             if r.eval_loader is not None:
@@ -154,6 +155,9 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
                                        r.eval_loss_fn, r.metrics, cfg.channels_last, r.input_dtype,
                                        guarded=reads_files(r.job.data.eval), forward_fn=r.job.forward, tables=r.tables)
                 keep_evaluation(r, results)
+            if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint from here starts the next epoch
+                state.stream = {"epoch": epoch + 1, "start": state.step, "samples": 0, "state": None,
+                                "epoch_steps": state.stream["epoch_steps"]}
             if cfg.checkpoint_epochs or (r.checkpoint_steps and state.step % r.checkpoint_steps == 0):
                 save_checkpoint(r)
             r.clock.exclude(since)  # evaluation is not training time
@@ -164,13 +168,19 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
 
 
 def epochs_left(r: "Run"):
-    """The epochs to train, from the checkpoint's when resuming (a checkpoint at the very end, after the final
-    evaluation, leaves none). A stream's epoch ends where the stream ends; with --max-steps and a stream
-    of unknown length, epochs follow each other until the last step."""
+    """The epochs to train, from the checkpoint's when resuming: a checkpoint at the very end after the final
+    evaluation leaves none, one before it (the evaluation failed) the last epoch, to evaluate. A stream's epoch
+    ends where the stream ends; with --max-steps and a stream of unknown length, epochs follow each other
+    until the last step."""
     state = r.state
-    if state.stopped_early or (r.total_steps is not None and state.step >= r.total_steps):
+    finished = r.total_steps is not None and state.step >= r.total_steps
+    evaluated = r.eval_loader is None or bool(state.evals) and state.evals[-1]["step"] == state.step
+    if state.stopped_early or (finished and evaluated):
         return
-    epoch = state.stream["epoch"] if r.streaming else state.step // r.per_epoch
+    if r.streaming:
+        epoch = state.stream["epoch"]
+    else:
+        epoch = (state.step - 1) // r.per_epoch if finished else state.step // r.per_epoch
     while r.epochs is None or epoch < r.epochs:
         yield epoch
         if state.stopped_early or (r.total_steps is not None and state.step >= r.total_steps):
@@ -498,6 +508,8 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
         for norm in r.tuning["frozen_norms"]:
             norm.eval()  # their running statistics stay as they are
     if r.streaming:  # read from the stream's position (the loader moves it on as it hands out each step)
+        if state.stream.get("ended"):  # a checkpoint between the epoch's last step and its evaluation
+            return
         r.progress.new_epoch(r.epoch, done=state.step - state.stream["start"], first_step=state.stream["start"])
         batches = r.train_loader.epoch(r.epoch, state.stream)
     else:
@@ -547,8 +559,9 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
 
 
 def _stream_ended(r: Run) -> None:
-    """The stream's epoch is over: its length is learnt from the first (the run's length then known), and the
-    position moves to the next epoch's start."""
+    """The stream's epoch is over: its length is learnt from the first (the run's length then known). The
+    position stays at the epoch's end (`ended`) until the epoch's evaluation is done (run), so that a
+    checkpoint before it (the evaluation stream failed, say) resumes into that evaluation."""
     state, position = r.state, r.state.stream
     steps = state.step - position["start"]
     if r.per_epoch is None:
@@ -559,8 +572,7 @@ def _stream_ended(r: Run) -> None:
         r.progress.learnt(r.total_steps, r.per_epoch, r.epochs)
     elif steps != r.per_epoch:
         r.progress.print(f"note: epoch {r.epoch + 1} of the stream had {steps} steps, the first {r.per_epoch}")
-    state.stream = {"epoch": r.epoch + 1, "start": state.step, "samples": 0, "state": None,
-                    "epoch_steps": position["epoch_steps"]}
+    position["ended"] = True
 
 
 def _resumed_stream(r: Run) -> None:

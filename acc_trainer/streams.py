@@ -30,6 +30,8 @@ a step; none failed), as the map-style loader's unreadable-sample check does.
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import queue
 import threading
@@ -55,11 +57,14 @@ def saves_position(dataset) -> bool:
     example iterables (the narrowest place that says so)."""
     if not (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))):
         return False
-    part, seen = getattr(dataset, "_ex_iterable", None), 0
-    while part is not None and seen < 100:
+    parts = [getattr(dataset, "_ex_iterable", None)]
+    while parts:  # through the chain, and the sources of interleaved or concatenated streams
+        part = parts.pop()
+        if part is None:
+            continue
         if type(part).__name__ == "BufferShuffledExamplesIterable":
             return False
-        part, seen = getattr(part, "ex_iterable", None), seen + 1
+        parts += [getattr(part, "ex_iterable", None), *(getattr(part, "ex_iterables", None) or [])]
     return True
 
 
@@ -72,15 +77,20 @@ def start_epoch(dataset, epoch: int) -> None:
 _heads: dict[int, tuple] = {}  # id(stream) -> (stream, its first samples, whether that is all of it)
 
 
-def first(dataset, n: int) -> list:
+def first(dataset, n: int, name: str = "the stream") -> list:
     """The first `n` samples of epoch 0 (fewer when the stream is shorter), read once per run: every check at
     start looks at them, and opening a stream can cost (`datasets` waits 5 s for pyarrow's threads whenever a
     shuffled parquet stream is left before its end)."""
     held = _heads.get(id(dataset))
     if held is None or held[0] is not dataset or (len(held[1]) < n and not held[2]):
         start_epoch(dataset, 0)
-        with naming_files():
-            samples = list(islice(iter(dataset), max(n, 16)))
+        with naming_files() as named:
+            try:
+                samples = list(islice(iter(dataset), max(n, 16)))
+            except Exception as e:
+                if not is_read_error(e):
+                    raise  # a bug in the stream's code: its traceback is the user's
+                raise ConfigError(f"{name} cannot be read at its start ({describe_error(e, named.files)})") from None
         held = _heads[id(dataset)] = (dataset, samples, len(samples) < max(n, 16))
     return held[1][:n]
 
@@ -176,7 +186,7 @@ def describe_error(error: BaseException, files: list[str]) -> str:
 
 @dataclass
 class _Step:
-    batches: list  # this process's share of each micro-batch, collated
+    batches: list  # this process's share of each micro-batch (samples; evaluation: (samples, real))
     samples: int  # samples read in the epoch after this step
     state: Any  # the stream's state_dict() after this step's last sample, or None
 
@@ -251,6 +261,10 @@ class StreamLoader:
         yield from samples
 
     def _read(self, epoch: int, skip: int, state, out: queue.Queue, stop: threading.Event) -> None:
+        """In the reader thread: the samples of each step, this process's shares cut out (collated later, in the
+        training thread: a collate function may draw random numbers, which must come in the run's order)."""
+        if self.device.type == "cuda":  # the current device is per thread: this process's, for tensors made here
+            torch.cuda.set_device(self.device)
         read = skip
         with naming_files() as named:
             try:
@@ -262,13 +276,14 @@ class StreamLoader:
                         self.epoch_samples = read
                         _put(out, _End(read), stop)
                         return
-                    saved = self.dataset.state_dict() if self.saves_position else None
+                    # A copy: a stream's own state may be a live dict, moved on by the reading ahead.
+                    saved = copy.deepcopy(self.dataset.state_dict()) if self.saves_position else None
                     if self.train:
                         size = self.batch // self.parts
-                        batches = [self.collate(self._share(chunk[i * size:(i + 1) * size])) for i in range(self.parts)]
+                        shares = [self._share(chunk[i * size:(i + 1) * size]) for i in range(self.parts)]
                     else:
-                        batches = [self._eval_share(chunk)]
-                    _put(out, _Step(batches, read, saved), stop)
+                        shares = [self._eval_share(chunk)]
+                    _put(out, _Step(shares, read, saved), stop)
             except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides (read error or bug)
                 _put(out, _Failed(e, read, list(named.files)), stop)
 
@@ -302,19 +317,26 @@ class StreamLoader:
                     pass
 
     def _failure(self, failed: _Failed | None, epoch: int) -> None:
-        """Every process raises: a read error as StreamUnreadable with the same line everywhere, a bug in the
-        stream's code as itself on the process that met it."""
+        """Every process raises, after the same gather: a read error as StreamUnreadable with the same line
+        everywhere; a bug in the stream's code as itself on the process that met it (its traceback is the
+        user's), and as one line naming that process on the others (which write no checkpoint)."""
         from accelerate.utils import gather_object
 
+        from .stopping import TrainingStopped
+
+        split = "training" if self.train else "evaluation"
+        mine = None if failed is None else [is_read_error(failed.error), describe_error(failed.error, failed.files),
+                                            failed.samples, self.rank]
+        reports = [mine] if self.world == 1 else gather_object([mine])
         if failed is not None and not is_read_error(failed.error):
             raise failed.error
-        mine = [describe_error(failed.error, failed.files), failed.samples] if failed is not None else None
-        reports = [mine] if self.world == 1 else gather_object([mine])
-        found = next((r for r in reports if r is not None), None)
-        if found is None:  # another process's bug: it raises its own error
-            raise StreamUnreadable(f"another process's {'training' if self.train else 'evaluation'} stream failed")
-        raise StreamUnreadable(f"the {'training' if self.train else 'evaluation'} stream of {self.name} cannot be "
-                               f"read after sample {found[1]:,} of epoch {epoch + 1} ({found[0]})")
+        bug = next((r for r in reports if r is not None and not r[0]), None)
+        if bug is not None:
+            raise TrainingStopped(f"the {split} stream of {self.name} raised {bug[1]} on process {bug[3]} (its "
+                                  "traceback is that process's)", code=1, alone=True)  # that one does not wait
+        found = next(r for r in reports if r is not None)
+        raise StreamUnreadable(f"the {split} stream of {self.name} cannot be read after sample {found[2]:,} of epoch "
+                               f"{epoch + 1} ({found[1]})")
 
     # ------------------------------------------------------------------ training and evaluation
 
@@ -326,10 +348,10 @@ class StreamLoader:
         self.resumed = None
         skip = position["samples"] if position.get("epoch") == epoch else 0
         for step in self._steps(epoch, skip, position.get("state")):
-            for i, batch in enumerate(step.batches):
+            for i, share in enumerate(step.batches):
                 if i == len(step.batches) - 1:
                     position.update(epoch=epoch, samples=step.samples, state=step.state)
-                yield send_to_device(batch, self.device, non_blocking=True)
+                yield send_to_device(self.collate(share), self.device, non_blocking=True)
 
     def __iter__(self):
         """Evaluation: every sample once, in shares of `data.Uncollated` with their real size."""
@@ -338,13 +360,20 @@ class StreamLoader:
             yield Uncollated(samples, self.collate, real=real)
 
     def check_start(self, what: str, at_least: int) -> None:
-        """An empty stream, or one shorter than `at_least` samples, is one line before anything runs."""
-        got = len(first(self.dataset, at_least))
+        """An empty stream, or one shorter than `at_least` samples, is one line before anything runs; so is a
+        saved position that a checkpoint cannot hold (trainer_state.json keeps it)."""
+        got = len(first(self.dataset, at_least, f"the {what} stream of {self.name}"))
         if got == 0:
             raise ConfigError(f"the {what} stream of {self.name} is empty")
         if got < at_least:
             raise ConfigError(f"the {what} stream of {self.name} gives {got} samples, fewer than one global batch "
                               f"(--batch-size {at_least})")
+        if self.train and self.saves_position:
+            try:
+                json.dumps(self.dataset.state_dict())
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"the {what} stream of {self.name}: its state_dict() must be plain data (numbers, "
+                                  f"strings, lists, dicts) to be saved in checkpoints ({first_line(e)})") from None
 
 
 def _put(out: queue.Queue, item, stop: threading.Event) -> None:

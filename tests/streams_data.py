@@ -77,6 +77,20 @@ class ByProcess(Numbers):
             yield self.x[i], self.y[i]
 
 
+class FailsOnce(Numbers):
+    """An evaluation stream whose file vanishes at its `fail_at`-th pass (then it is back)."""
+
+    def __init__(self, *args, fail_at: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.passes, self.fail_at = 0, fail_at
+
+    def __iter__(self):
+        self.passes += 1
+        if self.passes == self.fail_at:
+            raise FileNotFoundError(2, "No such file or directory", "eval-shard-0.bin")
+        yield from super().__iter__()
+
+
 def write_parquet(folder: Path) -> dict[str, list[str]]:
     """The training samples as three parquet shards of uneven sizes and the evaluation samples as one file."""
     import pyarrow as pa

@@ -221,6 +221,43 @@ def test_a_schedule_over_the_run_needs_its_length(tmp_path, torch_on_one_thread)
     reset_accelerate()
 
 
+def test_an_evaluation_that_fails_is_made_again_on_resume(tmp_path, torch_on_one_thread):
+    """The evaluation stream cannot be read after the last step: the checkpoint then is of the epoch's end before
+    its evaluation, so the resumed run evaluates it, and ends with the uninterrupted run's evaluations."""
+    from acc_trainer import fit
+    from acc_trainer.stopping import TrainingStopped
+
+    options = {"epochs": 2, "batch_size": 12, "optimizer": "sgd", "lr": 0.05, "progress": "none", "plots": False}
+    reset_accelerate()
+    full = fit(streams_data.model(), streams_data.Numbers(), streams_data.Numbers(31, 2), output_dir=str(tmp_path / "full"),
+               **options)
+    reset_accelerate()
+    eval_stream = streams_data.FailsOnce(31, 2, fail_at=3)  # the first pass is the check at start
+    with pytest.raises(TrainingStopped, match=r"evaluation stream .* cannot be read .*eval-shard-0.bin.*at step 16"):
+        fit(streams_data.model(), streams_data.Numbers(), eval_stream, output_dir=str(tmp_path / "run"), **options)
+    reset_accelerate()
+    resumed = fit(streams_data.model(), streams_data.Numbers(), streams_data.Numbers(31, 2),
+                  output_dir=str(tmp_path / "run"), resume="auto", **options)
+    reset_accelerate()
+    assert resumed["resumed_from"].endswith("step-00000016") and resumed["evals"] == full["evals"]
+    assert largest_difference(tmp_path / "full", tmp_path / "run") == 0.0
+
+
+def test_a_saved_position_a_checkpoint_cannot_hold_is_one_line(tmp_path, torch_on_one_thread):
+    from acc_trainer import fit
+    from acc_trainer.config import ConfigError
+
+    class TensorState(streams_data.Positioned):
+        def state_dict(self):
+            return {"read": torch.tensor(self.read)}
+
+    reset_accelerate()
+    with pytest.raises(ConfigError, match=r"its state_dict\(\) must be plain data"):
+        fit(streams_data.model(), TensorState(), epochs=1, batch_size=12, output_dir=str(tmp_path / "run"), progress="none")
+    reset_accelerate()
+    assert not (tmp_path / "run").exists()
+
+
 def loaders(dataset, world: int, batch: int = 12, parts: int = 2, train: bool = True, collate=None):
     """One StreamLoader per process of `world`, each agreeing with the others as when all have the same stream."""
     from acc_trainer.streams import StreamLoader
