@@ -33,7 +33,7 @@ from accelerate.utils import gather_object, send_to_device
 from . import components, processes
 from .config import ConfigError, TrainConfig, first_line
 from .data import Uncollated, is_stream, length, one_at_a_time, reads_files
-from .loaders import dataloader_config, evaluation_loader
+from .loaders import dataloader_config, evaluation_loader, stream_workers
 from .losses import forward, predictions
 from .stopping import TrainingStopped
 from .streams import StreamLoader, StreamUnreadable
@@ -84,7 +84,8 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
         agree = None if world == 1 else (
             lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist())
         loader = StreamLoader(dataset, per_process * world, 1, world, accelerator.process_index, job.collate,
-                              accelerator.device, agree, job.dataset_name, train=False)
+                              accelerator.device, agree, job.dataset_name, train=False,
+                              workers=stream_workers(cfg, world))
         loader.check_start("evaluation", 1)
     else:
         loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,

@@ -85,8 +85,10 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
                   agree: Callable | None, name: str) -> tuple:
     """Loaders when the training or the evaluation set is a stream (the other one may be map-style)."""
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
+    workers = stream_workers(cfg, world)
     if is_stream(data.train):
-        train_loader = StreamLoader(data.train, cfg.batch_size, cfg.grad_accum, world, rank, collate, device, agree, name)
+        train_loader = StreamLoader(data.train, cfg.batch_size, cfg.grad_accum, world, rank, collate, device, agree, name,
+                                    workers=workers)
         train_loader.check_start("training", cfg.batch_size)
     else:
         train_loader = build_loaders(cfg, replace(data, eval=None), world, device, augment, collate)[0]
@@ -95,9 +97,17 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
     if not is_stream(data.eval):
         placed = _placed(data.eval, replace(cfg, data_pipeline="per-sample") if collate else cfg, device)
         return train_loader, evaluation_loader(placed, per_process * world, cfg.seed, None, collate)
-    eval_loader = StreamLoader(data.eval, per_process * world, 1, world, rank, collate, device, agree, name, train=False)
+    eval_loader = StreamLoader(data.eval, per_process * world, 1, world, rank, collate, device, agree, name, train=False,
+                               workers=workers)
     eval_loader.check_start("evaluation", 1)
     return train_loader, eval_loader
+
+
+def stream_workers(cfg: TrainConfig, world: int) -> int:
+    """A stream is read ahead by a thread of each process (the default, --num-workers 0), or by one worker process
+    (--num-workers 1 or more: one keeps the stream's order), which reads without competing with the training
+    for Python's interpreter lock but starts anew every epoch and pickles every step (docs/large-data.md)."""
+    return min(cfg.num_workers or 0, 1)
 
 
 def evaluation_loader(dataset, global_batch: int, seed: int, loading: dict | None = None,

@@ -21,7 +21,10 @@ buffer's samples out), reads the stream again from the epoch's start and skips w
 time either takes is reported. The position counts samples of the whole stream, not of a process,
 so a checkpoint continues on another number of processes.
 
-Read-ahead: a thread per process reads and collates the next `AHEAD` steps while the current one trains.
+Read-ahead: a thread of each process (the default) or one DataLoader worker process (`--num-workers 1`; more
+could not keep one stream's order) reads the next `AHEAD` steps while the current one trains; the training
+thread collates (a collate function's random draws then come in the run's order). A stream read in a
+worker draws its random numbers, and keeps its counters, there.
 Faults: a stream that cannot be read (OSError, pyarrow's errors for a damaged file) stops every process at
 the same step, naming the file where the error says it; an empty stream, or one shorter than one global
 batch, is one line at start. Each step begins with one all-reduce of two numbers (every process has
@@ -33,16 +36,18 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import pickle
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from .config import ConfigError, first_line
 from .data import Uncollated
@@ -189,11 +194,13 @@ class _Step:
     batches: list  # this process's share of each micro-batch (samples; evaluation: (samples, real))
     samples: int  # samples read in the epoch after this step
     state: Any  # the stream's state_dict() after this step's last sample, or None
+    resumed: dict | None = None  # how a resumed epoch reached its position
 
 
 @dataclass
 class _End:
     samples: int  # samples read in the epoch (the last incomplete global batch included)
+    resumed: dict | None = None
 
 
 @dataclass
@@ -201,6 +208,75 @@ class _Failed:
     error: BaseException
     samples: int
     files: list[str]
+    trace: str | None = None  # the traceback, when raised in a worker process
+
+
+_END = object()
+
+
+class _Reading(IterableDataset):
+    """What the reader worker process iterates: the loader's items of one epoch."""
+
+    def __init__(self, loader: "StreamLoader", epoch: int, skip: int, state):
+        self.loader, self.epoch, self.skip, self.state = loader, epoch, skip, state
+
+    def __iter__(self):
+        # The stream must give the same samples in the worker as in a thread: `datasets` (5.2) splits its shards
+        # among DataLoader workers and reorders a shuffled stream when it sees one (torch's get_worker_info), and
+        # a user's stream may split itself alike. The worker is acc_trainer's alone: the stream is not told.
+        import torch.utils.data._utils.worker as worker_state
+
+        worker_state._worker_info = None
+        for item in self.loader._produce(self.epoch, self.skip, self.state, worker=True):
+            # One pickled step, its tensors as numpy arrays: the DataLoader would pass each sample's tensors through
+            # shared memory one by one (a file descriptor each, 25x slower for small samples), and pickling a torch
+            # tensor costs 0.1 ms (a 64-sample step: 8 ms to pickle, 8 ms to unpickle; as arrays, 0.2 ms).
+            if isinstance(item, _Step):
+                item.batches = _arrays(item.batches)
+            yield pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _as_is(item):
+    return item
+
+
+class _Array:
+    """A tensor on its way from the reader worker, as a numpy array."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.array = tensor.numpy()
+
+
+def _arrays(value):
+    """Samples with their CPU tensors as _Array (those numpy cannot hold, bfloat16 say, as they are)."""
+    if isinstance(value, torch.Tensor):
+        return _Array(value) if value.device.type == "cpu" and value.dtype != torch.bfloat16 and not value.requires_grad \
+            else value
+    if isinstance(value, Mapping):
+        return type(value)({k: _arrays(v) for k, v in value.items()}) if type(value) is dict else value
+    if type(value) in (list, tuple):
+        return type(value)(_arrays(v) for v in value)
+    return value
+
+
+def _tensors(value):
+    if isinstance(value, _Array):
+        return torch.from_numpy(value.array)
+    if type(value) is dict:
+        return {k: _tensors(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_tensors(v) for v in value)
+    return value
+
+
+def _portable(error: BaseException) -> BaseException:
+    """An exception that can travel back from the worker process (pickled), else its description as one."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any exception may fail to pickle
+        kind = OSError if isinstance(error, OSError) else RuntimeError
+        return kind(f"{type(error).__name__}: {first_line(error)}")
 
 
 class StreamLoader:
@@ -209,15 +285,15 @@ class StreamLoader:
 
     batch: samples per step (training: the global batch; evaluation: the global evaluation batch),
     parts: micro-batches per step (grad_accum), world/rank: the processes, agree(list[int]) -> the sums over
-    every process (None on one process)."""
+    every process (None on one process), workers: 1 reads in a worker process, 0 in a thread."""
 
     def __init__(self, dataset, batch: int, parts: int, world: int, rank: int, collate: Callable | None,
-                 device: torch.device, agree: Callable | None, name: str, train: bool = True):
+                 device: torch.device, agree: Callable | None, name: str, train: bool = True, workers: int = 0):
         self.dataset, self.batch, self.parts, self.world, self.rank = dataset, batch, parts, world, rank
         self.collate, self.device, self.agree, self.name, self.train = collate or default_collate, device, agree, name, train
         self.saves_position = saves_position(dataset)
         self.resumed: dict | None = None  # how the last resume reached its position: how, samples, seconds
-        self.epoch_samples: int | None = None  # samples in the last whole epoch read
+        self.workers = workers  # 0: a reader thread; 1: a reader worker process
 
     # ------------------------------------------------------------------ the process's share
 
@@ -234,47 +310,41 @@ class StreamLoader:
         mine = samples[start:start + base + (self.rank < extra)]
         return (mine, len(mine)) if mine else (samples[:1], 0)
 
-    # ------------------------------------------------------------------ reading, in a thread
+    # ------------------------------------------------------------------ reading, ahead of the training
 
-    def _samples(self, epoch: int, skip: int, state) -> Iterator:
-        """The stream's samples of `epoch` after its first `skip` (from the saved `state` when there is one)."""
+    def _samples(self, epoch: int, skip: int, state, resumed: dict) -> Iterator:
+        """The stream's samples of `epoch` after its first `skip` (from the saved `state` when there is one);
+        `resumed` is filled with how the position was reached, and how long it took."""
         start_epoch(self.dataset, epoch)
+        since = time.perf_counter()
         if skip and state is not None and self.saves_position:
-            since = time.perf_counter()
             self.dataset.load_state_dict(state)
             samples = iter(self.dataset)
-            self.resumed = {"how": "saved state", "samples": skip, "seconds": None}
-            try:
-                head = next(samples)
-            except StopIteration:
-                self.resumed["seconds"] = time.perf_counter() - since
-                return
-            self.resumed["seconds"] = time.perf_counter() - since
-            yield head
-            yield from samples
+            head = next(samples, _END)
+            resumed.update(how="saved state", samples=skip, seconds=time.perf_counter() - since)
+            if head is not _END:
+                yield head
+                yield from samples
             return
         samples = iter(self.dataset)
         if skip:  # read again from the epoch's start: the samples only, nothing collated
-            since = time.perf_counter()
             skipped = sum(1 for _ in islice(samples, skip))
-            self.resumed = {"how": "skipped", "samples": skipped, "seconds": time.perf_counter() - since}
+            resumed.update(how="skipped", samples=skipped, seconds=time.perf_counter() - since)
         yield from samples
 
-    def _read(self, epoch: int, skip: int, state, out: queue.Queue, stop: threading.Event) -> None:
-        """In the reader thread: the samples of each step, this process's shares cut out (collated later, in the
-        training thread: a collate function may draw random numbers, which must come in the run's order)."""
-        if self.device.type == "cuda":  # the current device is per thread: this process's, for tensors made here
-            torch.cuda.set_device(self.device)
-        read = skip
+    def _produce(self, epoch: int, skip: int, state, worker: bool = False) -> Iterator:
+        """The epoch's steps as _Step items (this process's shares cut out, not collated: a collate function
+        may draw random numbers, which must come in the run's order, in the training thread), then one _End,
+        or a _Failed."""
+        read, resumed = skip, {}
         with naming_files() as named:
             try:
-                samples = self._samples(epoch, skip, state)
-                while not stop.is_set():
+                samples = self._samples(epoch, skip, state, resumed)
+                while True:
                     chunk = list(islice(samples, self.batch))
                     read += len(chunk)
                     if not chunk or (self.train and len(chunk) < self.batch):
-                        self.epoch_samples = read
-                        _put(out, _End(read), stop)
+                        yield _End(read, resumed or None)
                         return
                     # A copy: a stream's own state may be a live dict, moved on by the reading ahead.
                     saved = copy.deepcopy(self.dataset.state_dict()) if self.saves_position else None
@@ -283,20 +353,55 @@ class StreamLoader:
                         shares = [self._share(chunk[i * size:(i + 1) * size]) for i in range(self.parts)]
                     else:
                         shares = [self._eval_share(chunk)]
-                    _put(out, _Step(shares, read, saved), stop)
-            except BaseException as e:  # noqa: BLE001 - handed to the loop, which decides (read error or bug)
-                _put(out, _Failed(e, read, list(named.files)), stop)
+                    yield _Step(shares, read, saved, resumed or None)
+            except Exception as e:  # noqa: BLE001 - handed to the loop, which decides (read error or bug)
+                yield _Failed(_portable(e) if worker else e, read, list(named.files),
+                              traceback.format_exc() if worker else None)
+
+    def _thread(self, epoch: int, skip: int, state) -> Iterator:
+        """The items of `_produce`, read ahead by a thread of this process (--num-workers 0)."""
+        out, stop = queue.Queue(maxsize=AHEAD), threading.Event()
+
+        def read() -> None:
+            if self.device.type == "cuda":  # the current device is per thread: this process's
+                torch.cuda.set_device(self.device)
+            for item in self._produce(epoch, skip, state):
+                _put(out, item, stop)
+                if stop.is_set() or not isinstance(item, _Step):
+                    return
+
+        reader = threading.Thread(target=read, daemon=True, name="acc_trainer-stream")
+        reader.start()
+        try:
+            while True:
+                yield out.get()
+        finally:
+            stop.set()
+            while reader.is_alive():  # let a reader blocked on a full queue see the stop
+                try:
+                    out.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+
+    def _worker(self, epoch: int, skip: int, state) -> Iterator:
+        """The items of `_produce`, read ahead by one DataLoader worker process (one keeps the stream's order;
+        the stream is read there, without competing with the training for Python's interpreter lock)."""
+        reading = DataLoader(_Reading(self, epoch, skip, state), batch_size=None, num_workers=1,
+                             prefetch_factor=AHEAD, collate_fn=_as_is, generator=torch.Generator().manual_seed(epoch))
+        for blob in reading:
+            item = pickle.loads(blob)
+            if isinstance(item, _Step):
+                item.batches = _tensors(item.batches)
+            yield item
 
     def _steps(self, epoch: int, skip: int, state) -> Iterator[_Step]:
         """The steps of one epoch, agreed on by every process: all have one, or the epoch ends; a failure on
         any process stops all."""
-        out, stop = queue.Queue(maxsize=AHEAD), threading.Event()
-        reader = threading.Thread(target=self._read, args=(epoch, skip, state, out, stop), daemon=True,
-                                  name="acc_trainer-stream")
-        reader.start()
+        items = (self._worker if self.workers else self._thread)(epoch, skip, state)
         try:
-            while True:
-                item = out.get()
+            for item in items:
+                if getattr(item, "resumed", None):
+                    self.resumed = item.resumed
                 have, failed = isinstance(item, _Step), isinstance(item, _Failed)
                 agreed = self.agree([int(have), int(failed)]) if self.agree else [int(have), int(failed)]
                 if agreed[1]:
@@ -309,12 +414,7 @@ class StreamLoader:
                     return
                 yield item
         finally:
-            stop.set()
-            while reader.is_alive():  # let a reader blocked on a full queue see the stop
-                try:
-                    out.get(timeout=0.05)
-                except queue.Empty:
-                    pass
+            items.close()  # the reader stops (thread joined, worker shut down)
 
     def _failure(self, failed: _Failed | None, epoch: int) -> None:
         """Every process raises, after the same gather: a read error as StreamUnreadable with the same line
@@ -329,6 +429,8 @@ class StreamLoader:
                                             failed.samples, self.rank]
         reports = [mine] if self.world == 1 else gather_object([mine])
         if failed is not None and not is_read_error(failed.error):
+            if failed.trace and hasattr(failed.error, "add_note"):  # raised in the reader's worker process
+                failed.error.add_note(f"in acc_trainer's stream reader (a DataLoader worker process):\n{failed.trace}")
             raise failed.error
         bug = next((r for r in reports if r is not None and not r[0]), None)
         if bug is not None:

@@ -28,12 +28,15 @@ OPTIONS = {"epochs": 2, "batch_size": 12, "checkpoint_every": "5", "log_every": 
 MID = "checkpoints/step-00000005"
 
 
-def jobs(out: Path, parquet: Path, kinds=KINDS, **extra) -> list[dict]:
-    """A full run of each kind and its resume from its own step-5 checkpoint."""
+def jobs(out: Path, parquet: Path, kinds=KINDS, workers: int = 0) -> list[dict]:
+    """A full run of each kind and its resume from its own step-5 checkpoint. The user's streams are read by a
+    thread (they count what they produce in this process), the `datasets` streams by a reader worker process
+    with `workers` 1."""
     made = []
     for kind in kinds:
-        made.append({"name": kind, "data": kind, "parquet": str(parquet), "options": {**OPTIONS, **extra}})
-        made.append({"name": f"{kind}_resumed", "data": kind, "parquet": str(parquet), "options": {**OPTIONS, **extra},
+        options = {**OPTIONS, "num_workers": workers} if kind.startswith("parquet") else OPTIONS
+        made.append({"name": kind, "data": kind, "parquet": str(parquet), "options": options})
+        made.append({"name": f"{kind}_resumed", "data": kind, "parquet": str(parquet), "options": options,
                      "resume": str(out / kind / MID)})
     return made
 
@@ -74,10 +77,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     one, two, one_more, three = root / "one", root / "two", root / "one_more", root / "three"
     inference = [{"name": f"inference_{kind}", "data": kind, "parquet": str(parquet), "inference": True}
                  for kind in ("map", "parquet")]
-    in_process(jobs(one, parquet) + inference + [
+    in_process(jobs(one, parquet, workers=1) + inference + [
         {"name": "max_steps", "data": "parquet", "parquet": str(parquet), "options": {**OPTIONS, "max_steps": 11}}], one)
     launched(2, jobs(two, parquet) + elastic(one, parquet) + inference + [
-        {"name": "broken", "data": "parquet", "parquet": str(broken), "options": OPTIONS},
+        {"name": "broken", "data": "parquet", "parquet": str(broken), "options": {**OPTIONS, "num_workers": 1}},
         {"name": "by_process", "data": "by_process", "options": OPTIONS}], two)
     (broken / "train-00001.parquet").write_bytes(good_shard)  # repaired: the stopped run continues
     in_process(elastic(two, parquet) + [{"name": "repaired", "data": "parquet", "parquet": str(broken),
@@ -99,7 +102,8 @@ def largest_difference(a: Path, b: Path) -> float:
 
 def test_streams_train_alike_on_one_and_two_processes(runs):
     """--batch-size is the global batch of a stream too: the same steps on 1 and 2 processes (1e-5), whatever
-    the shards (three of 37, 45 and 18 rows), every process making as many; every evaluation sample once."""
+    the shards (three of 37, 45 and 18 rows), every process making as many; every evaluation sample once. The
+    `datasets` streams are read by a worker process on 1 process and by a thread on 2."""
     for kind in KINDS:
         one, two = summary(runs["one"] / kind), summary(runs["two"] / kind)
         assert largest_difference(runs["one"] / kind, runs["two"] / kind) < 1e-5, kind
@@ -241,6 +245,27 @@ def test_an_evaluation_that_fails_is_made_again_on_resume(tmp_path, torch_on_one
     reset_accelerate()
     assert resumed["resumed_from"].endswith("step-00000016") and resumed["evals"] == full["evals"]
     assert largest_difference(tmp_path / "full", tmp_path / "run") == 0.0
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_bug_in_the_streams_code_keeps_its_traceback(tmp_path, torch_on_one_thread, workers):
+    from acc_trainer import fit
+
+    class Buggy(streams_data.Numbers):
+        def __iter__(self):
+            for i, sample in enumerate(super().__iter__()):
+                if i == 30:
+                    raise KeyError("the user's bug")
+                yield sample
+
+    reset_accelerate()
+    with pytest.raises(KeyError, match="the user's bug") as raised:
+        fit(streams_data.model(), Buggy(), epochs=1, batch_size=12, output_dir=str(tmp_path / "run"), progress="none",
+            num_workers=workers)
+    reset_accelerate()
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "raised in epoch 1, after optimizer step 2" in notes
+    assert ("stream reader (a DataLoader worker process)" in notes and "in __iter__" in notes) == bool(workers)
 
 
 def test_a_saved_position_a_checkpoint_cannot_hold_is_one_line(tmp_path, torch_on_one_thread):
