@@ -25,24 +25,29 @@ def test_bench_runs_every_variant_and_writes_its_files(tmp_path, main_in_process
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     code, stdout, stderr = main_in_process("bench", "--model", "mlp", "--dataset", "fake", "--batch-size", "32",
                                            "--train-size", "256", "--processes", "1,2", "--steps", "6", "--repeats",
-                                           "1", "--pipelines", "batched,per-sample", "--bench-dir", out)
+                                           "1", "--pipelines", "batched,stream", "--bench-dir", out)
     assert code == 0, stdout[-3000:] + stderr[-5000:]
     report = json.loads((out / "bench.json").read_text())
     rows = {(r["implementation"], r["processes"]): r for r in report["rows"]}
-    assert set(rows) == {("acc_trainer", 1), ("acc_trainer per-sample", 1), ("raw", 1), ("ceiling", 1),
-                         ("acc_trainer", 2), ("acc_trainer per-sample", 2), ("raw-ddp", 2)}
+    assert set(rows) == {("acc_trainer", 1), ("acc_trainer stream", 1), ("raw", 1), ("ceiling", 1),
+                         ("acc_trainer", 2), ("acc_trainer stream", 2), ("raw-ddp", 2)}
     for row in rows.values():
         assert row["samples_per_s"] > 0 and 0 <= row["data_time_s"] <= row["step_time_s"]
         assert row["peak_memory_mb"] > 0 and row["data_share"] == row["data_time_s"] / row["step_time_s"]
     one = rows[("acc_trainer", 1)]
     assert one["vs_ceiling"] == one["samples_per_s"] / rows[("ceiling", 1)]["samples_per_s"]
-    assert set(report["pipelines"]) == {"batched", "per-sample"} and min(report["pipelines"].values()) > 0
+    assert set(report["pipelines"]) == {"batched", "stream"} and min(report["pipelines"].values()) > 0
+    # The stream rows trained on the same samples, read from the parquet shards the bench wrote.
+    assert len(list((out / "parquet").glob("train-*.parquet"))) == 4 and (out / "parquet" / "eval-00000.parquet").is_file()
+    streamed = [json.loads(p.read_text()) for p in (out / "runs").glob("*/summary.json")
+                if json.loads(p.read_text())["dataset"] == "acc_trainer.tools.bench:stream_data"]
+    assert len(streamed) == 2 and all(s["steps"] == 6 and s["train_samples"] == 6 * 32 for s in streamed)
     two = rows[("acc_trainer", 2)]
     assert two["speedup"] == two["samples_per_s"] / rows[("acc_trainer", 1)]["samples_per_s"]
     assert two["vs_baseline"] == two["samples_per_s"] / rows[("raw-ddp", 2)]["samples_per_s"]
     table = (out / "bench.md").read_text()
     assert table.count("\n| acc_trainer |") == 2 and "| raw-ddp | 2 |" in table and "| ceiling | 1 |" in table
-    assert "| data pipeline (loader alone, 1 process) |" in table and "\n| per-sample |" in table
+    assert "| data pipeline (loader alone, 1 process) |" in table and "\n| stream |" in table
     assert "dp (nn.DataParallel) needs 2+ GPUs" in stdout
     for figure in ("bench_performance.png", "bench_time_breakdown.png"):
         assert_png(out / figure)
