@@ -85,7 +85,7 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
             lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist())
         loader = StreamLoader(dataset, per_process * world, 1, world, accelerator.process_index, job.collate,
                               accelerator.device, agree, job.dataset_name, train=False,
-                              workers=stream_workers(cfg, world))
+                              workers=stream_workers(cfg, world), seed=cfg.seed)
         loader.check_start("evaluation", 1)
     else:
         loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
@@ -287,6 +287,8 @@ class Writer:
         columns = {"index": [r["index"] for r in rows], "output": [r["output"] for r in rows]}
         if "class" in rows[0]:
             columns["class"] = [r["class"] for r in rows]
+        if self.done + len(rows) > self.size:
+            raise ConfigError(f"predict: the dataset gave more than the {self.size:,} samples its __len__ says")
         for name, values in columns.items():
             values = np.asarray(values)
             if name not in self.arrays:
@@ -301,6 +303,8 @@ class Writer:
             self.file.close()
             os.replace(self.folder / self.path.name, self.path)
         else:
+            if self.done != self.size:
+                raise ConfigError(f"predict: the dataset gave {self.done:,} samples, its __len__ says {self.size:,}")
             for array in self.arrays.values():
                 array.flush()
             with zipfile.ZipFile(self.folder / self.path.name, "w", zipfile.ZIP_STORED) as archive:

@@ -88,7 +88,7 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
     workers = stream_workers(cfg, world)
     if is_stream(data.train):
         train_loader = StreamLoader(data.train, cfg.batch_size, cfg.grad_accum, world, rank, collate, device, agree, name,
-                                    workers=workers)
+                                    workers=workers, seed=cfg.seed)
         train_loader.check_start("training", cfg.batch_size)
     else:
         train_loader = build_loaders(cfg, replace(data, eval=None), world, device, augment, collate)[0]
@@ -98,7 +98,7 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
         placed = _placed(data.eval, replace(cfg, data_pipeline="per-sample") if collate else cfg, device)
         return train_loader, evaluation_loader(placed, per_process * world, cfg.seed, None, collate)
     eval_loader = StreamLoader(data.eval, per_process * world, 1, world, rank, collate, device, agree, name, train=False,
-                               workers=workers)
+                               workers=workers, seed=cfg.seed)
     eval_loader.check_start("evaluation", 1)
     return train_loader, eval_loader
 

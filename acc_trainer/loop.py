@@ -144,7 +144,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
     with r.progress, StopSignals(r.accelerator) as signals, r.files.plots_if_stopped(cfg.plots), _naming_the_step(where):
         for epoch in epochs_left(r):
             r.epoch = epoch
-            if r.total_steps is None or state.step < r.total_steps:  # else: resumed before the final evaluation
+            if not _epoch_trained(r, epoch):  # else: resumed before this epoch's evaluation
                 with _stream_faults(r, "training"):
                     train_epoch(r, signals)
             # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
@@ -169,7 +169,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
 
 def epochs_left(r: "Run"):
     """The epochs to train, from the checkpoint's when resuming: a checkpoint at the very end after the final
-    evaluation leaves none, one before it (the evaluation failed) the last epoch, to evaluate. A stream's epoch
+    evaluation leaves none; one between an epoch's last step and its evaluation (the evaluation failed)
+    resumes into that epoch, to evaluate it. A stream's epoch
     ends where the stream ends; with --max-steps and a stream of unknown length, epochs follow each other
     until the last step."""
     state = r.state
@@ -179,13 +180,21 @@ def epochs_left(r: "Run"):
         return
     if r.streaming:
         epoch = state.stream["epoch"]
+    elif state.step and (finished or state.step % r.per_epoch == 0) and not evaluated:
+        epoch = (state.step - 1) // r.per_epoch  # its steps are done, its evaluation is not (it failed)
     else:
-        epoch = (state.step - 1) // r.per_epoch if finished else state.step // r.per_epoch
+        epoch = state.step // r.per_epoch
     while r.epochs is None or epoch < r.epochs:
         yield epoch
         if state.stopped_early or (r.total_steps is not None and state.step >= r.total_steps):
             return
         epoch += 1
+
+
+def _epoch_trained(r: "Run", epoch: int) -> bool:
+    """Whether the steps of `epoch` are all made (a stream's end is marked in its position, see train_epoch)."""
+    done = r.total_steps is not None and r.state.step >= r.total_steps
+    return done or (not r.streaming and r.state.step >= (epoch + 1) * r.per_epoch)
 
 
 @contextmanager

@@ -44,6 +44,7 @@ class IntervalLosses:
         # Each mean's weight, where not all are 1: the first interval of a run continued on another number of
         # processes holds means over shares of another size (load).
         self.weights: list[float] = []
+        self.carried = (0, 0)  # rows loaded from a checkpoint, and the steps they cover (load)
         self.parts: list[torch.Tensor] = []  # each micro-batch's named losses, stacked
         self.part_names: list[str] = []
 
@@ -67,6 +68,7 @@ class IntervalLosses:
     def restart(self, step: int) -> None:
         """A new interval, whose first step is step + 1."""
         self.values, self.items, self.parts, self.weights, self.first_step = [], [], [], [], step + 1
+        self.carried = (0, 0)
 
     def _rows(self) -> list[list[float]]:
         """One row per micro-batch: [loss, items (1 for a mean), *parts], on the host."""
@@ -86,6 +88,9 @@ class IntervalLosses:
         rows = self._rows()
         finite = [row for row in rows if all(math.isfinite(v) for v in row)]
         first_bad = next((i for i, row in enumerate(rows) if not math.isfinite(row[0])), -1)
+        if first_bad >= 0:  # as a count of micro-batches from the interval's start (loaded rows cover carried[1] steps)
+            rows_in, steps_in = self.carried
+            first_bad = steps_in * self.grad_accum + (first_bad - rows_in) if first_bad >= rows_in else first_bad
         width = 2 + len(self.part_names)
         if not self.counted:  # means: each weighs its row's weight (1 but after a resume on other processes)
             finite = [[row[0] * row[1], row[1], *(part * row[1] for part in row[2:])] for row in finite]
@@ -160,6 +165,8 @@ class IntervalLosses:
             self.items, self.parts, self.weights = [], [], [scale] * len(mine)
         if self.weights and all(w == 1.0 for w in self.weights):
             self.weights = []
+        # A checkpoint never holds a NaN/inf loss; a later one is counted from the steps these rows cover.
+        self.carried = (len(self.values), max(counts) // self.grad_accum)
 
 
 @dataclass

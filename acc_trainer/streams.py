@@ -36,8 +36,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import multiprocessing
 import pickle
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -231,9 +233,13 @@ class _Reading(IterableDataset):
             # One pickled step, its tensors as numpy arrays: the DataLoader would pass each sample's tensors through
             # shared memory one by one (a file descriptor each, 25x slower for small samples), and pickling a torch
             # tensor costs 0.1 ms (a 64-sample step: 8 ms to pickle, 8 ms to unpickle; as arrays, 0.2 ms).
-            if isinstance(item, _Step):
-                item.batches = _arrays(item.batches)
-            yield pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                if isinstance(item, _Step):
+                    item.batches = _arrays(item.batches)
+                yield pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # noqa: BLE001 - a sample that cannot travel: handed to the loop like any failure
+                yield pickle.dumps(_Failed(_portable(e), getattr(item, "samples", 0), [], traceback.format_exc()))
+                return
 
 
 def _as_is(item):
@@ -248,10 +254,15 @@ class _Array:
 
 
 def _arrays(value):
-    """Samples with their CPU tensors as _Array (those numpy cannot hold, bfloat16 say, as they are)."""
-    if isinstance(value, torch.Tensor):
-        return _Array(value) if value.device.type == "cpu" and value.dtype != torch.bfloat16 and not value.requires_grad \
-            else value
+    """Samples with their plain CPU tensors as _Array (subclasses such as torchvision's BoundingBoxes, and what
+    numpy cannot hold, as they are)."""
+    if type(value) is torch.Tensor:
+        if value.device.type != "cpu" or value.requires_grad or value.layout != torch.strided:
+            return value
+        try:
+            return _Array(value.resolve_conj().resolve_neg())
+        except (TypeError, RuntimeError):  # bfloat16, float8: numpy has no such dtype
+            return value
     if isinstance(value, Mapping):
         return type(value)({k: _arrays(v) for k, v in value.items()}) if type(value) is dict else value
     if type(value) in (list, tuple):
@@ -285,15 +296,17 @@ class StreamLoader:
 
     batch: samples per step (training: the global batch; evaluation: the global evaluation batch),
     parts: micro-batches per step (grad_accum), world/rank: the processes, agree(list[int]) -> the sums over
-    every process (None on one process), workers: 1 reads in a worker process, 0 in a thread."""
+    every process (None on one process), workers: 1 reads in a worker process, 0 in a thread, seed: --seed."""
 
     def __init__(self, dataset, batch: int, parts: int, world: int, rank: int, collate: Callable | None,
-                 device: torch.device, agree: Callable | None, name: str, train: bool = True, workers: int = 0):
+                 device: torch.device, agree: Callable | None, name: str, train: bool = True, workers: int = 0,
+                 seed: int = 0):
         self.dataset, self.batch, self.parts, self.world, self.rank = dataset, batch, parts, world, rank
         self.collate, self.device, self.agree, self.name, self.train = collate or default_collate, device, agree, name, train
         self.saves_position = saves_position(dataset)
         self.resumed: dict | None = None  # how the last resume reached its position: how, samples, seconds
         self.workers = workers  # 0: a reader thread; 1: a reader worker process
+        self.seed = seed  # with the epoch, seeds the worker's random number generators
 
     # ------------------------------------------------------------------ the process's share
 
@@ -363,12 +376,15 @@ class StreamLoader:
         out, stop = queue.Queue(maxsize=AHEAD), threading.Event()
 
         def read() -> None:
-            if self.device.type == "cuda":  # the current device is per thread: this process's
-                torch.cuda.set_device(self.device)
-            for item in self._produce(epoch, skip, state):
-                _put(out, item, stop)
-                if stop.is_set() or not isinstance(item, _Step):
-                    return
+            try:
+                if self.device.type == "cuda":  # the current device is per thread: this process's
+                    torch.cuda.set_device(self.device)
+                for item in self._produce(epoch, skip, state):
+                    _put(out, item, stop)
+                    if stop.is_set() or not isinstance(item, _Step):
+                        return
+            except BaseException as e:  # noqa: BLE001 - SystemExit and the like: never leave the loop waiting
+                _put(out, _Failed(e, skip, [], None), stop)
 
         reader = threading.Thread(target=read, daemon=True, name="acc_trainer-stream")
         reader.start()
@@ -386,13 +402,22 @@ class StreamLoader:
     def _worker(self, epoch: int, skip: int, state) -> Iterator:
         """The items of `_produce`, read ahead by one DataLoader worker process (one keeps the stream's order;
         the stream is read there, without competing with the training for Python's interpreter lock)."""
-        reading = DataLoader(_Reading(self, epoch, skip, state), batch_size=None, num_workers=1,
-                             prefetch_factor=AHEAD, collate_fn=_as_is, generator=torch.Generator().manual_seed(epoch))
-        for blob in reading:
-            item = pickle.loads(blob)
-            if isinstance(item, _Step):
-                item.batches = _tensors(item.batches)
-            yield item
+        alone = copy.copy(self)  # what the worker needs: not the collectives, nor the collate function
+        alone.agree = alone.collate = None
+        forked = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+        reading = DataLoader(_Reading(alone, epoch, skip, state), batch_size=None, num_workers=1,
+                             prefetch_factor=AHEAD, collate_fn=_as_is, multiprocessing_context=forked,
+                             generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        read = skip
+        try:
+            for blob in reading:
+                item = pickle.loads(blob)
+                read = getattr(item, "samples", read)
+                if isinstance(item, _Step):
+                    item.batches = _tensors(item.batches)
+                yield item
+        except Exception as e:  # noqa: BLE001 - the worker died (killed for memory, say): every process hears of it
+            yield _Failed(e, read, [], None)
 
     def _steps(self, epoch: int, skip: int, state) -> Iterator[_Step]:
         """The steps of one epoch, agreed on by every process: all have one, or the epoch ends; a failure on
@@ -429,8 +454,12 @@ class StreamLoader:
                                             failed.samples, self.rank]
         reports = [mine] if self.world == 1 else gather_object([mine])
         if failed is not None and not is_read_error(failed.error):
-            if failed.trace and hasattr(failed.error, "add_note"):  # raised in the reader's worker process
-                failed.error.add_note(f"in acc_trainer's stream reader (a DataLoader worker process):\n{failed.trace}")
+            if failed.trace:  # raised in the reader's worker process: its traceback, as a note
+                note = f"in acc_trainer's stream reader (a DataLoader worker process):\n{failed.trace}"
+                if hasattr(failed.error, "add_note"):
+                    failed.error.add_note(note)
+                else:  # Python 3.10
+                    print(note, file=sys.stderr)
             raise failed.error
         bug = next((r for r in reports if r is not None and not r[0]), None)
         if bug is not None:

@@ -374,3 +374,68 @@ def test_the_large_data_page_runs_as_written(tmp_path, monkeypatch):
     done = summary(examples / "runs" / "stream")
     assert done["steps"] == 100 and done["eval_samples"] == 2000 and done["eval"]["accuracy"] > 0.6
     assert (examples / "runs" / "stream" / "checkpoints" / "step-00000100").is_dir()
+
+
+def test_the_reader_worker_returns_samples_as_they_were(torch_on_one_thread):
+    """--num-workers 1: tensors travel as numpy arrays, except what numpy cannot hold (bfloat16) and tensor
+    subclasses (torchvision's BoundingBoxes keep their class and format); a sample that cannot travel is an
+    error of this step, not a hang."""
+    from torchvision import tv_tensors
+
+    from acc_trainer.streams import StreamLoader
+
+    class Boxes(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(6):
+                boxes = tv_tensors.BoundingBoxes([[0, 0, i + 1, i + 1]], format="XYXY", canvas_size=(8, 8))
+                yield {"boxes": boxes, "half": torch.full((2,), i, dtype=torch.bfloat16), "id": f"s{i}"}
+
+    loader = StreamLoader(Boxes(), 3, 1, 1, 0, lambda samples: samples, torch.device("cpu"), None, "test", workers=1)
+    batches = list(loader.epoch(0, {"epoch": 0, "samples": 0, "state": None}))
+    samples = [s for batch in batches for s in batch]
+    assert [s["id"] for s in samples] == [f"s{i}" for i in range(6)]
+    assert all(type(s["boxes"]) is tv_tensors.BoundingBoxes and s["boxes"].format.value == "XYXY" for s in samples)
+    assert all(s["half"].dtype == torch.bfloat16 and s["half"][0].item() == i for i, s in enumerate(samples))
+
+    class Unpicklable(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(2), (lambda: None)
+
+    loader = StreamLoader(Unpicklable(), 1, 1, 1, 0, None, torch.device("cpu"), None, "test", workers=1)
+    with pytest.raises(Exception, match="pickle|lambda"):
+        list(loader.epoch(0, {"epoch": 0, "samples": 0, "state": None}))
+
+
+def test_a_map_style_evaluation_that_fails_is_made_again_on_resume(tmp_path, torch_on_one_thread):
+    """The same for a dataset held in memory: the epoch-1 evaluation reads a sample that cannot be opened, the run
+    stops after a checkpoint of step 8; resumed, it evaluates epoch 1 before training epoch 2."""
+    from torch.utils.data import Dataset
+
+    from acc_trainer import fit
+    from acc_trainer.stopping import TrainingStopped
+
+    class Flaky(Dataset):
+        def __init__(self, fail: bool):
+            self.x, self.y = streams_data.tensors(streams_data.EVAL, 2)
+            self.fail = fail
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            if self.fail and i == 5:
+                raise OSError(5, "Input/output error", "eval/5.bin")
+            return self.x[i], self.y[i]
+
+    train = streams_data.in_memory()
+    options = {"epochs": 2, "batch_size": 12, "optimizer": "sgd", "lr": 0.05, "progress": "none", "plots": False}
+    reset_accelerate()
+    full = fit(streams_data.model(), train, Flaky(False), output_dir=str(tmp_path / "full"), **options)
+    reset_accelerate()
+    with pytest.raises(TrainingStopped, match="evaluation sample .*eval/5.bin.* at step 8"):
+        fit(streams_data.model(), train, Flaky(True), output_dir=str(tmp_path / "run"), **options)
+    reset_accelerate()
+    resumed = fit(streams_data.model(), train, Flaky(False), output_dir=str(tmp_path / "run"), resume="auto", **options)
+    reset_accelerate()
+    assert resumed["resumed_from"].endswith("step-00000008") and resumed["evals"] == full["evals"]
+    assert largest_difference(tmp_path / "full", tmp_path / "run") == 0.0
