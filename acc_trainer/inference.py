@@ -81,10 +81,10 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
     world = accelerator.num_processes
     per_process = cfg.eval_batch_size or max(1, cfg.batch_size // (world * cfg.grad_accum))
     if is_stream(dataset):  # its own loader (streams.py), which already holds this process's share
-        agree = None if world == 1 else (
-            lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist())
+        from .loop import summing
+
         loader = StreamLoader(dataset, per_process * world, 1, world, accelerator.process_index, job.collate,
-                              accelerator.device, agree, job.dataset_name, train=False,
+                              accelerator.device, summing(accelerator), job.dataset_name, train=False,
                               workers=stream_workers(cfg, world), seed=cfg.seed)
         loader.check_start("evaluation", 1)
     else:

@@ -43,7 +43,7 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
     over the processes), checked at its start."""
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
     if is_stream(data.train) or is_stream(data.eval):
-        return _with_streams(cfg, data, world, device, augment, collate, rank, agree, name)
+        return _with_streams(cfg, data, world, device, augment, collate, rank, agree, name, per_process)
     per_epoch = steps_per_epoch(data, cfg)
     # Exactly `per_epoch` whole global batches per epoch (the first per_epoch x batch_size indices of
     # each epoch's permutation): no partial step and no partial accumulation on any topology.
@@ -82,9 +82,9 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
 
 
 def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device, augment, collate, rank: int,
-                  agree: Callable | None, name: str) -> tuple:
-    """Loaders when the training or the evaluation set is a stream (the other one may be map-style)."""
-    per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
+                  agree: Callable | None, name: str, per_process: int) -> tuple:
+    """Loaders when the training or the evaluation set is a stream (the other one may be map-style);
+    `per_process`: the evaluation batch of one process."""
     workers = stream_workers(cfg, world)
     if is_stream(data.train):
         train_loader = StreamLoader(data.train, cfg.batch_size, cfg.grad_accum, world, rank, collate, device, agree, name,

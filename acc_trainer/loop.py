@@ -156,8 +156,7 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
                                        guarded=reads_files(r.job.data.eval), forward_fn=r.job.forward, tables=r.tables)
                 keep_evaluation(r, results)
             if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint from here starts the next epoch
-                state.stream = {"epoch": epoch + 1, "start": state.step, "samples": 0, "state": None,
-                                "epoch_steps": state.stream["epoch_steps"]}
+                state.stream = stream_position(epoch + 1, state.step, state.stream["epoch_steps"])
             if cfg.checkpoint_epochs or (r.checkpoint_steps and state.step % r.checkpoint_steps == 0):
                 save_checkpoint(r)
             r.clock.exclude(since)  # evaluation is not training time
@@ -170,9 +169,8 @@ def run(cfg: TrainConfig, job: Workload) -> dict:
 def epochs_left(r: "Run"):
     """The epochs to train, from the checkpoint's when resuming: a checkpoint at the very end after the final
     evaluation leaves none; one between an epoch's last step and its evaluation (the evaluation failed)
-    resumes into that epoch, to evaluate it. A stream's epoch
-    ends where the stream ends; with --max-steps and a stream of unknown length, epochs follow each other
-    until the last step."""
+    resumes into that epoch, to evaluate it. A stream's epoch ends where the stream ends; with --max-steps
+    and a stream of unknown length, epochs follow each other until the last step."""
     state = r.state
     finished = r.total_steps is not None and state.step >= r.total_steps
     evaluated = r.eval_loader is None or bool(state.evals) and state.evals[-1]["step"] == state.step
@@ -189,6 +187,19 @@ def epochs_left(r: "Run"):
         if state.stopped_early or (r.total_steps is not None and state.step >= r.total_steps):
             return
         epoch += 1
+
+
+def stream_position(epoch: int, start: int, epoch_steps: int | None) -> dict:
+    """A stream's position at the start of `epoch` (which begins after optimizer step `start`), as checkpoints
+    keep it; the loader moves `samples` and `state` on as it hands out each step (streams.StreamLoader.epoch)."""
+    return {"epoch": epoch, "start": start, "samples": 0, "state": None, "epoch_steps": epoch_steps}
+
+
+def summing(accelerator: Accelerator):
+    """`agree(numbers) -> their sums over every process` for a stream's loader (None on one process)."""
+    if accelerator.num_processes == 1:
+        return None
+    return lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist()
 
 
 def _epoch_trained(r: "Run", epoch: int) -> bool:
@@ -285,10 +296,8 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     notes += tuning["notes"]
     optimizer, scheduler, per_epoch, total_steps = _optimizer(cfg, model, job, resumed)
     world = accelerator.num_processes
-    agree = None if world == 1 else (
-        lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist())
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
-                                              accelerator.process_index, agree, job.dataset_name)
+                                              accelerator.process_index, summing(accelerator), job.dataset_name)
     input_dtype = engines.prepare_deepspeed(accelerator, cfg.batch_size // (world * cfg.grad_accum))
     # Batches of tensors already on the training device need no copy: Accelerate's send_to_device would
     # still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed and Megatron-LM refuse
@@ -302,7 +311,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     ema, averaged = _ema(cfg, accelerator, model)
     state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, checked.items))
     if isinstance(train_loader, StreamLoader):
-        state.stream = {"epoch": 0, "start": 0, "samples": 0, "state": None, "epoch_steps": per_epoch}
+        state.stream = stream_position(0, 0, per_epoch)
     if resumed:
         with checkpoints.reading(resume):
             accelerator.load_state(str(resume))

@@ -13,8 +13,6 @@ message and exit code on the main process (a ConfigError too, with code 2), and 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 from accelerate.state import AcceleratorState, GradientState, PartialState
@@ -30,7 +28,7 @@ def run_job(job: dict, out: Path) -> None:
     if job.get("inference"):  # the finished model's evaluation and predictions on the evaluation set
         from acc_trainer.inference import evaluate, predict
 
-        collate = streams_data.pairs if job["data"].startswith("parquet") else None
+        collate = streams_data.collate(job["data"])
         options = {"progress": "none", "batch_size": 12, "eval_batch_size": 4, "output_dir": str(out / job["name"])}
         results = evaluate(streams_data.model(), eval_, loss="mse", collate_fn=collate, **options)
         rows = predict(streams_data.model(), eval_, collate_fn=collate, **options)
@@ -41,10 +39,9 @@ def run_job(job: dict, out: Path) -> None:
                **job.get("options", {}), "output_dir": str(out / job["name"])}
     if job.get("resume"):
         options["resume"] = job["resume"]
-    collate = streams_data.pairs if job["data"].startswith("parquet") else None
     produced = streams_data.Numbers.produced
     try:
-        fit(streams_data.model(), train, eval_, collate_fn=collate, **options)
+        fit(streams_data.model(job["data"]), train, eval_, collate_fn=streams_data.collate(job["data"]), **options)
     except (TrainingStopped, ConfigError) as e:
         if PartialState().is_main_process:
             (out / f"{job['name']}.stopped.json").write_text(json.dumps({"message": str(e),
@@ -62,15 +59,7 @@ def run_jobs(jobs: list[dict], out: Path) -> None:
         PartialState().wait_for_everyone()
 
 
-def main() -> None:
-    PartialState.destroy_process_group = lambda self, group=None: None  # one process group for every job
-    run_jobs(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
-
-
 if __name__ == "__main__":
-    main()
-    # As topology_probe.py: leave without torch 2.14's gloo teardown, which sometimes aborts a finished script.
-    PartialState().wait_for_everyone()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from topology_probe import launched
+
+    launched(run_jobs)

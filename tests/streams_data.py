@@ -7,6 +7,7 @@ in an order of its own; `parquet` splits them into three uneven shards (37, 45 a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -91,6 +92,23 @@ class FailsOnce(Numbers):
         yield from super().__iter__()
 
 
+class Texts(IterableDataset):
+    """examples/text_classification.py's reviews (4 to 40 tokens each) as a stream, reshuffled every epoch."""
+
+    def __init__(self, n: int, seed: int):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from text_classification import Reviews
+
+        self.reviews, self.epoch = Reviews(n, seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for i in torch.randperm(len(self.reviews), generator=torch.Generator().manual_seed(100 + self.epoch)).tolist():
+            yield self.reviews[i]
+
+
 def write_parquet(folder: Path) -> dict[str, list[str]]:
     """The training samples as three parquet shards of uneven sizes and the evaluation samples as one file."""
     import pyarrow as pa
@@ -131,14 +149,27 @@ def in_memory(n: int = TRAIN, seed: int = 1) -> TensorDataset:
     return TensorDataset(*tensors(n, seed))
 
 
-def model() -> torch.nn.Module:
+def model(kind: str = "numbers") -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "text":
+        from text_classification import BagOfEmbeddings
+
+        return BagOfEmbeddings()
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
+def collate(kind: str):
+    """The collate function a kind's samples need (None: the default)."""
+    if kind == "text":
+        from text_classification import pad
+
+        return pad
+    return pairs if kind.startswith("parquet") else None
+
+
 def datasets(kind: str, folder: Path | None = None) -> tuple:
-    """(train, eval) of a kind: numbers, positioned, map, by_process, or parquet, parquet_shuffled (of the
-    files write_parquet wrote into `folder`)."""
+    """(train, eval) of a kind: numbers, positioned, map, by_process, text, or parquet, parquet_shuffled (of
+    the files write_parquet wrote into `folder`)."""
     if kind in ("numbers", "positioned"):
         cls = Numbers if kind == "numbers" else Positioned
         return cls(), cls(EVAL, 2)
@@ -146,6 +177,8 @@ def datasets(kind: str, folder: Path | None = None) -> tuple:
         return in_memory(), in_memory(EVAL, 2)
     if kind == "by_process":
         return ByProcess(), None
+    if kind == "text":
+        return Texts(TRAIN, 0), Texts(EVAL, 1)
     train = sorted(str(p) for p in Path(folder).glob("train-*.parquet"))
     return parquet_stream(train, shuffle=kind == "parquet_shuffled"), parquet_stream([str(Path(folder) / "eval.parquet")])
 

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -154,14 +155,11 @@ def run_jobs(jobs: list[dict], out: Path) -> None:
         PartialState().wait_for_everyone()
 
 
-def main() -> None:
+def launched(run: Callable[[list[dict], Path], None]) -> None:
+    """`run(JOBS, OUT_DIR)` from the command line in a launch, then out of the process without its teardown."""
     # One process group serves every job of the launch; a fresh Accelerator per job.
     PartialState.destroy_process_group = lambda self, group=None: None
-    run_jobs(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
-
-
-if __name__ == "__main__":
-    main()
+    run(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
     # torch 2.14's gloo sometimes aborts a finished multi-process script at interpreter exit ("terminate
     # called without an active exception", SIGABRT), after every result is written: leave without the
     # teardown, so that the launcher reports what the jobs did, not that.
@@ -169,3 +167,7 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    launched(run_jobs)

@@ -96,6 +96,8 @@ def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
 
     from .. import augment, components
     from ..loaders import build_loaders
+    from ..loop import stream_position
+    from ..streams import StreamLoader
 
     cfg = replace(cfg, data_pipeline=pipeline if pipeline != "stream" else cfg.data_pipeline)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
@@ -106,8 +108,8 @@ def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
     for epoch in range(batches):
         if augmentation:
             augmentation.set_epoch(epoch)
-        batches_of_epoch = loader.epoch(epoch, {"epoch": epoch, "samples": 0, "state": None}) \
-            if hasattr(loader, "epoch") and not hasattr(loader, "set_epoch") else loader
+        batches_of_epoch = loader.epoch(epoch, stream_position(epoch, 0, None)) \
+            if isinstance(loader, StreamLoader) else loader
         for batch in batches_of_epoch:
             if start is None:  # the first batch starts workers: not counted
                 start = time.perf_counter()
