@@ -344,6 +344,10 @@ def data_from(train, eval_, name: str) -> Data:
                                                                   and hasattr(dataset, "__len__")):
             raise ConfigError(f"the {split} data of {name} is a {type(dataset).__name__}, neither a map-style Dataset "
                               "(__getitem__ and __len__) nor an iterable one (__iter__)")
+        if is_stream(dataset) and hasattr(type(dataset), "__next__"):  # a generator, a cursor: read once, then empty
+            raise ConfigError(f"the {split} data of {name} is an iterator ({type(dataset).__name__}), which can be read "
+                              "only once (the checks at start, every epoch and a resume read it again): give an object "
+                              "whose __iter__ starts it anew, such as an IterableDataset whose __iter__ is a generator")
     if is_stream(train):
         try:
             head = streams.first(train, 1)

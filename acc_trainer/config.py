@@ -173,7 +173,8 @@ class TrainConfig:
     seed: int = _opt(42, "seed for weights, data order and generated data")
     num_workers: int | None = _opt(
         None, "DataLoader worker processes per training process (default: none for data in memory; for the built-in "
-        "datasets read per sample, the CPU cores per process minus one, at most 8)")
+        "datasets read per sample, the CPU cores per process minus one, at most 8; a stream: 0 reads ahead in a thread, "
+        "1 or more in one worker process, which keeps the stream's order)")
 
     # Output.
     output_dir: str | None = _opt(None, "where the run writes its files (default: runs/<time>-<model>-<dataset>)")

@@ -33,10 +33,10 @@ from accelerate.utils import gather_object, send_to_device
 from . import components, processes
 from .config import ConfigError, TrainConfig, first_line
 from .data import Uncollated, is_stream, length, one_at_a_time, reads_files
-from .loaders import dataloader_config, evaluation_loader, stream_workers
+from .loaders import dataloader_config, evaluation_loader, stream_evaluation
 from .losses import forward, predictions
 from .stopping import TrainingStopped
-from .streams import StreamLoader, StreamUnreadable
+from .streams import StreamUnreadable, forget
 
 FORMATS = (".jsonl", ".csv", ".npz")
 
@@ -66,7 +66,7 @@ def predict(model, dataset, *, output: str | os.PathLike | None = None, collate_
 
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward)
-    return _predict(cfg, job, dataset, Path(output) if output else None)
+    return _predict(cfg, job, dataset, Path(output) if output else None)[0]
 
 
 # ----------------------------------------------------------------------------------------- the pieces
@@ -81,15 +81,12 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
     world = accelerator.num_processes
     per_process = cfg.eval_batch_size or max(1, cfg.batch_size // (world * cfg.grad_accum))
     if is_stream(dataset):  # its own loader (streams.py), which already holds this process's share
-        from .loop import summing
-
-        loader = StreamLoader(dataset, per_process * world, 1, world, accelerator.process_index, job.collate,
-                              accelerator.device, summing(accelerator), job.dataset_name, train=False,
-                              workers=stream_workers(cfg, world), seed=cfg.seed)
-        loader.check_start("evaluation", 1)
+        loader = stream_evaluation(cfg, dataset, per_process * world, world, accelerator.process_index, job.collate,
+                                   accelerator.device, processes.summing(accelerator), job.dataset_name)
     else:
         loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
                                    collate=job.collate)
+    forget()  # the first samples read for the checks at start
     model, loader = accelerator.prepare(job.model, loader)
     return accelerator, model, loader, checked
 
@@ -108,7 +105,8 @@ def _evaluate(cfg: TrainConfig, job: components.Workload, dataset) -> dict:
     return results
 
 
-def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None):
+def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None) -> tuple:
+    """(OUTPUT, or the rows without one; the number of rows)."""
     size = length(dataset) if is_stream(dataset) else len(dataset)
     if size is None and output is not None and output.suffix == ".npz":
         raise ConfigError(f"predict: .npz arrays are made at the stream's size, and {job.dataset_name} does not say it "
@@ -155,7 +153,7 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
         if writer:
             writer.discard()  # what is left of an unfinished file
     accelerator.wait_for_everyone()
-    return output if output is not None else rows
+    return (output if output is not None else rows), index
 
 
 def _per_sample(outputs):
@@ -226,17 +224,6 @@ def _stream_faults():
         yield
     except StreamUnreadable as e:
         raise TrainingStopped(str(e), code=1) from None
-
-
-def _count(output: Path) -> str:
-    """The rows a finished output holds (a stream's length is known only once it is read)."""
-    if output.suffix == ".npz":
-        import numpy as np
-
-        with np.load(output) as arrays:
-            return f"{len(arrays['index']):,}"
-    with open(output) as f:
-        return f"{sum(1 for _ in f) - (output.suffix == '.csv'):,}"
 
 
 def check_rows(rows: list[dict], path: Path) -> None:
@@ -402,7 +389,7 @@ def main_predict(argv: list[str]) -> None:
     if not output.parent.is_dir():
         raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
     job, dataset = _workload(cfg, weights, split)
-    written = _predict(cfg, job, dataset, output)
+    written, count = _predict(cfg, job, dataset, output)
     if PartialState().is_main_process:
-        print(f"predictions of {cfg.model} for {_count(written)} samples of {cfg.dataset} ({split}) in {written}",
+        print(f"predictions of {cfg.model} for {count:,} samples of {cfg.dataset} ({split}) in {written}",
               file=sys.stdout)

@@ -85,10 +85,9 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
                   agree: Callable | None, name: str, per_process: int) -> tuple:
     """Loaders when the training or the evaluation set is a stream (the other one may be map-style);
     `per_process`: the evaluation batch of one process."""
-    workers = stream_workers(cfg, world)
     if is_stream(data.train):
         train_loader = StreamLoader(data.train, cfg.batch_size, cfg.grad_accum, world, rank, collate, device, agree, name,
-                                    workers=workers, seed=cfg.seed)
+                                    workers=stream_workers(cfg), seed=cfg.seed)
         train_loader.check_start("training", cfg.batch_size)
     else:
         train_loader = build_loaders(cfg, replace(data, eval=None), world, device, augment, collate)[0]
@@ -97,13 +96,19 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
     if not is_stream(data.eval):
         placed = _placed(data.eval, replace(cfg, data_pipeline="per-sample") if collate else cfg, device)
         return train_loader, evaluation_loader(placed, per_process * world, cfg.seed, None, collate)
-    eval_loader = StreamLoader(data.eval, per_process * world, 1, world, rank, collate, device, agree, name, train=False,
-                               workers=workers, seed=cfg.seed)
-    eval_loader.check_start("evaluation", 1)
-    return train_loader, eval_loader
+    return train_loader, stream_evaluation(cfg, data.eval, per_process * world, world, rank, collate, device, agree, name)
 
 
-def stream_workers(cfg: TrainConfig, world: int) -> int:
+def stream_evaluation(cfg: TrainConfig, dataset, global_batch: int, world: int, rank: int, collate: Callable | None,
+                      device: torch.device, agree: Callable | None, name: str) -> StreamLoader:
+    """The loader of an evaluation stream (every sample once, in shares of `global_batch`), checked at its start."""
+    loader = StreamLoader(dataset, global_batch, 1, world, rank, collate, device, agree, name, train=False,
+                          workers=stream_workers(cfg), seed=cfg.seed)
+    loader.check_start("evaluation", 1)
+    return loader
+
+
+def stream_workers(cfg: TrainConfig) -> int:
     """A stream is read ahead by a thread of each process (the default, --num-workers 0), or by one worker process
     (--num-workers 1 or more: one keeps the stream's order), which reads without competing with the training
     for Python's interpreter lock but starts anew every epoch and pickles every step (docs/large-data.md)."""

@@ -195,17 +195,12 @@ def stream_position(epoch: int, start: int, epoch_steps: int | None) -> dict:
     return {"epoch": epoch, "start": start, "samples": 0, "state": None, "epoch_steps": epoch_steps}
 
 
-def summing(accelerator: Accelerator):
-    """`agree(numbers) -> their sums over every process` for a stream's loader (None on one process)."""
-    if accelerator.num_processes == 1:
-        return None
-    return lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist()
-
-
 def _epoch_trained(r: "Run", epoch: int) -> bool:
-    """Whether the steps of `epoch` are all made (a stream's end is marked in its position, see train_epoch)."""
-    done = r.total_steps is not None and r.state.step >= r.total_steps
-    return done or (not r.streaming and r.state.step >= (epoch + 1) * r.per_epoch)
+    """Whether the steps of `epoch` are all made: resumed from a checkpoint between its last step and its
+    evaluation (a stream's end is marked in its position, see _stream_ended)."""
+    if r.total_steps is not None and r.state.step >= r.total_steps:
+        return True
+    return bool(r.state.stream.get("ended")) if r.streaming else r.state.step >= (epoch + 1) * r.per_epoch
 
 
 @contextmanager
@@ -297,7 +292,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
     optimizer, scheduler, per_epoch, total_steps = _optimizer(cfg, model, job, resumed)
     world = accelerator.num_processes
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
-                                              accelerator.process_index, summing(accelerator), job.dataset_name)
+                                              accelerator.process_index, processes.summing(accelerator), job.dataset_name)
     input_dtype = engines.prepare_deepspeed(accelerator, cfg.batch_size // (world * cfg.grad_accum))
     # Batches of tensors already on the training device need no copy: Accelerate's send_to_device would
     # still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed and Megatron-LM refuse
@@ -338,6 +333,7 @@ def setup(cfg: TrainConfig, job: Workload) -> Run:
             checkpoints=saver, progress=Progress(cfg.progress, accelerator.is_main_process, total_steps, epochs,
                                                  per_epoch),
             state=state, clock=Clock(logged_step=state.step), started=started)
+    streams.forget()  # the first samples read for the checks at start (up to a global batch) are not kept
     _announce(r)
     return r
 
@@ -526,8 +522,6 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
         for norm in r.tuning["frozen_norms"]:
             norm.eval()  # their running statistics stay as they are
     if r.streaming:  # read from the stream's position (the loader moves it on as it hands out each step)
-        if state.stream.get("ended"):  # a checkpoint between the epoch's last step and its evaluation
-            return
         r.progress.new_epoch(r.epoch, done=state.step - state.stream["start"], first_step=state.stream["start"])
         batches = r.train_loader.epoch(r.epoch, state.stream)
     else:

@@ -114,6 +114,13 @@ def _ranks_equal(accelerator: Accelerator, model) -> bool:
     return bool((prints == prints[0]).all())
 
 
+def summing(accelerator: Accelerator) -> Callable[[list], list] | None:
+    """`agree(numbers) -> their sums over every process` for a stream's loader (None on one process)."""
+    if accelerator.num_processes == 1:
+        return None
+    return lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist()
+
+
 def main_decides(check: Callable[[], None]) -> None:
     """Runs `check` on the main process alone (a lock, a look at the disk); its ConfigError, if any, is
     raised on every process, so that all stop together."""

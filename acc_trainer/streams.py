@@ -1,5 +1,6 @@
 """Streams: iterable datasets (a user's `IterableDataset`, a Hugging Face `datasets` stream, a database
-cursor) read in their own order, with the same guarantees as datasets held in memory.
+query run by `__iter__`) read in their own order, with the same guarantees as datasets held in memory. Each
+`iter()` starts the stream anew (a one-shot iterator is refused: components.data_from).
 
 How a stream is shared: every process reads the whole stream, cuts it into global batches of
 `--batch-size` samples (one per optimizer step) and collates only its own share of each micro-batch, the

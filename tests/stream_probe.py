@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.state import PartialState
 
 import streams_data
+from topology_probe import fresh_state, launched
 from acc_trainer import fit
 from acc_trainer.config import ConfigError
 from acc_trainer.stopping import TrainingStopped
@@ -53,13 +54,10 @@ def run_job(job: dict, out: Path) -> None:
 
 def run_jobs(jobs: list[dict], out: Path) -> None:
     for job in jobs:
-        AcceleratorState._reset_state(reset_partial_state=False)
-        GradientState._reset_state()
+        fresh_state()
         run_job(job, out)
         PartialState().wait_for_everyone()
 
 
 if __name__ == "__main__":
-    from topology_probe import launched
-
     launched(run_jobs)

@@ -13,6 +13,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
+# The text kind is examples/text_classification.py's reviews, collate function and model.
+EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
 TRAIN, EVAL, SHARDS = 100, 31, (37, 45, 18)
 
 
@@ -96,7 +101,6 @@ class Texts(IterableDataset):
     """examples/text_classification.py's reviews (4 to 40 tokens each) as a stream, reshuffled every epoch."""
 
     def __init__(self, n: int, seed: int):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
         from text_classification import Reviews
 
         self.reviews, self.epoch = Reviews(n, seed), 0
