@@ -153,12 +153,31 @@ def in_memory(n: int = TRAIN, seed: int = 1) -> TensorDataset:
     return TensorDataset(*tensors(n, seed))
 
 
+class OwnLoss(torch.nn.Module):
+    """A model that takes its targets and returns its own loss, as a Hugging Face model given `labels` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def forward(self, x, labels):
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.mse_loss(logits, labels), "logits": logits}
+
+
+def as_dict(samples: list) -> dict:
+    """Collates (x, y) samples into the dict batch OwnLoss takes (its targets under "labels")."""
+    return {"x": torch.stack([x for x, _ in samples]), "labels": torch.stack([y for _, y in samples])}
+
+
 def model(kind: str = "numbers") -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "text":
         from text_classification import BagOfEmbeddings
 
         return BagOfEmbeddings()
+    if kind == "own_loss":
+        return OwnLoss()
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
@@ -168,14 +187,16 @@ def collate(kind: str):
         from text_classification import pad
 
         return pad
+    if kind == "own_loss":
+        return as_dict
     return pairs if kind.startswith("parquet") else None
 
 
 def datasets(kind: str, folder: Path | None = None) -> tuple:
-    """(train, eval) of a kind: numbers, positioned, map, by_process, text, or parquet, parquet_shuffled (of
+    """(train, eval) of a kind: numbers, positioned, own_loss, map, by_process, text, or parquet, parquet_shuffled (of
     the files write_parquet wrote into `folder`)."""
-    if kind in ("numbers", "positioned"):
-        cls = Numbers if kind == "numbers" else Positioned
+    if kind in ("numbers", "positioned", "own_loss"):  # own_loss: the user's stream, for a model with its own loss
+        cls = Positioned if kind == "positioned" else Numbers
         return cls(), cls(EVAL, 2)
     if kind == "map":
         return in_memory(), in_memory(EVAL, 2)

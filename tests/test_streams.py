@@ -1,7 +1,8 @@
 """Streams (iterable datasets) keep every guarantee: the same steps on 1, 2 and 3 processes, evaluation of every
 sample once, bit-identical resume, checkpoints that continue on another number of processes, and faults in
 one line. The streams are a user's IterableDataset (with and without a saved position; variable-length text
-with the text example's padding collate and model) and Hugging Face `datasets` streams of parquet shards the
+with the text example's padding collate and model; dict batches for a model that takes its targets and returns
+its own loss) and Hugging Face `datasets` streams of parquet shards the
 tests write (tests/streams_data.py).
 
 Every run trains one small regression MLP (no dropout) with SGD for 2 epochs of 8 steps (100 samples, global
@@ -24,7 +25,7 @@ from safetensors.torch import load_file
 import streams_data
 from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, run_here, summary
 
-KINDS = ("numbers", "positioned", "parquet", "parquet_shuffled", "map", "text")
+KINDS = ("numbers", "positioned", "parquet", "parquet_shuffled", "map", "text", "own_loss")
 OPTIONS = {"epochs": 2, "batch_size": 12, "checkpoint_every": "5", "log_every": 2}
 MID = "checkpoints/step-00000005"
 
