@@ -11,8 +11,8 @@ Accelerate and torchvision are imported when a name below is first used.
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "fit": ("acc_trainer.loop", "fit"),
-    "train": ("acc_trainer.loop", "train"),
+    "fit": ("acc_trainer.api", "fit"),
+    "train": ("acc_trainer.api", "train"),
     "check": ("acc_trainer.tools.check", "check"),
     "evaluate": ("acc_trainer.inference", "evaluate"),  # a trained model on any set, exactly
     "predict": ("acc_trainer.inference", "predict"),  # one row per sample, in the dataset's order

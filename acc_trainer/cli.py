@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import ConfigError, first_line
+from .config import ConfigError, did_you_mean, first_line
 from .flags import parse_config
+
+COMMANDS = ("report", "bench", "check", "check-data", "evaluate", "predict")
 
 
 def check_data(argv: list[str]) -> None:
@@ -70,9 +72,14 @@ def main(argv: list[str] | None = None) -> None:
             from .tools.bench import main as bench
 
             return bench(argv[1:])
+        if argv and not argv[0].startswith("-"):  # training takes no positional argument: a mistyped command
+            hint = did_you_mean(argv[0], COMMANDS) or f"; the commands are {', '.join(COMMANDS)}"
+            raise ConfigError(f"unknown command {argv[0]!r}{hint}")
         cfg = parse_config(argv)
-        from .loop import train  # imported here so that --help and input errors answer at once
+        from .api import train  # imported here so that --help and input errors answer at once
+        from .patches import keep_freed_memory
 
+        keep_freed_memory()  # the command's process is the trainer's own (docs/performance.md)
         train(cfg)
     except ConfigError as e:
         where = f" (rank {rank})" if several else ""

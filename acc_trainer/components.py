@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from . import losses, metrics as builtin_metrics, streams
 from .config import IMPORT_PATH, ConfigError, TrainConfig, first_line
-from .data import DATASETS, Data, InMemory, RawImages, check_data, is_stream, one_at_a_time, torchvision
+from .data import DATASETS, Data, Heads, InMemory, RawImages, check_data, is_stream, one_at_a_time, torchvision
 from .models import MODELS
 
 # Exceptions that mean "these pieces do not fit together" when one sample passes through them; others
@@ -348,9 +348,10 @@ def data_from(train, eval_, name: str) -> Data:
             raise ConfigError(f"the {split} data of {name} is an iterator ({type(dataset).__name__}), which can be read "
                               "only once (the checks at start, every epoch and a resume read it again): give an object "
                               "whose __iter__ starts it anew, such as an IterableDataset whose __iter__ is a generator")
+    heads = Heads()
     if is_stream(train):
         try:
-            head = streams.first(train, 1)
+            head = streams.first(train, 1, heads=heads)
         except Exception as e:
             if not streams.is_read_error(e):
                 raise  # a bug in the stream's code: its traceback is the user's
@@ -377,7 +378,7 @@ def data_from(train, eval_, name: str) -> Data:
             num_classes = _num_classes(train)
     shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
     images = shape is not None and len(shape) == 3 and isinstance(targets, torch.Tensor) and not is_stream(train)
-    return Data(train, eval_, task, num_classes, shape, RawImages(train, None) if images else None)
+    return Data(train, eval_, task, num_classes, shape, RawImages(train, None) if images else None, heads)
 
 
 def _num_classes(dataset) -> int | None:
@@ -409,10 +410,11 @@ def _num_classes(dataset) -> int | None:
 # ------------------------------------------------------------------------------ one sample, all through
 
 
-def first_samples(dataset, n: int, collate: Callable | None = None):
-    """The first `n` samples as one batch, collated as the training loader collates them."""
+def first_samples(dataset, n: int, collate: Callable | None = None, heads: Heads | None = None):
+    """The first `n` samples as one batch, collated as the training loader collates them (`heads`: the run's
+    first samples of its streams, data.Heads)."""
     if is_stream(dataset):
-        return (collate or default_collate)(streams.first(dataset, n))
+        return (collate or default_collate)(streams.first(dataset, n, heads=heads))
     if collate is not None:
         dataset = one_at_a_time(dataset)  # a collate function takes samples
     elif isinstance(dataset, InMemory):
@@ -445,11 +447,9 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
     buffers and every random number generator are put back). Chooses the loss and metrics when the
     workload leaves them open, finds how the loss counts (a mean, or a sum over items) and which
     parameters get no gradient. A misfit is one line naming the pieces."""
-    global first_sample_check
     batch = _first_batch(job)
     model, was_training = job.model, job.model.training
     try:
-        first_sample_check = True
         with torch.random.fork_rng(devices=[]), _model_kept(model):
             model.train()
             outputs, targets = _forward(job, batch)
@@ -463,7 +463,6 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
                 eval_loss = _evaluates(loss, outputs, targets)
     finally:
         model.train(was_training)
-        first_sample_check = False
     labels = isinstance(targets, torch.Tensor) and not targets.is_floating_point()
     metrics = job.metrics
     if metrics is None:  # accuracy for one class label per sample
@@ -480,12 +479,11 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
 
 
 OWN = "the model's own"
-first_sample_check = False  # True while check_fit calls the model (tools/check.py's recorder leaves those calls out)
 
 
 def _first_batch(job: Workload):
     try:
-        return first_samples(job.data.train, 2, job.collate)
+        return first_samples(job.data.train, 2, job.collate, job.data.heads)
     except OSError as e:
         raise ConfigError(f"the first samples of {job.dataset_name} cannot be read ({type(e).__name__}: "
                           f"{first_line(e)}); acc-trainer check-data lists every unreadable sample") from None

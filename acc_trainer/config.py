@@ -10,10 +10,11 @@ and exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 
@@ -29,6 +30,8 @@ PROGRESS = ("auto", "rich", "plain", "none")
 AUGMENTS = ("auto", "none", "standard", "trivialaugment")  # augment.AUGMENTS, and auto
 PIPELINES = ("batched", "per-sample")
 FORWARDS = ("default", "with_targets")  # losses.FORWARDS
+# accelerate.tracking.LOGGER_TYPE_TO_CLASS's names, for --help (importing it takes a second; a test keeps them in step).
+TRACKERS = ("aim", "clearml", "comet_ml", "dvclive", "mlflow", "swanlab", "tensorboard", "trackio", "wandb")
 
 
 class ConfigError(ValueError):
@@ -39,6 +42,15 @@ def first_line(error: BaseException) -> str:
     """An exception's message cut to its first line (its type when it has none), to quote in one line."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """'; did you mean X?' for a mistyped or shortened name (the known names it starts, else the nearest), or ''."""
+    known = list(known)
+    near = [k for k in known if k.startswith(name)][:3] or difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+    if not near:
+        return ""
+    return "; did you mean " + (f"{', '.join(near[:-1])} or {near[-1]}" if len(near) > 1 else near[0]) + "?"
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -179,7 +191,8 @@ class TrainConfig:
     # Output.
     output_dir: str | None = _opt(None, "where the run writes its files (default: runs/<time>-<model>-<dataset>)")
     log_every: int = _opt(10, "log loss, LR and speed every this many optimizer steps")
-    log_with: str | None = _opt(None, "also log to this Accelerate tracker (e.g. tensorboard)")
+    log_with: str | None = _opt(None, f"also log to this Accelerate tracker: {', '.join(TRACKERS)} (default: None, no "
+                                      "tracker)", metavar="TRACKER")
     checkpoint_every: str | None = _opt(
         None, "save full training state every N optimizer steps, every 'epoch', or both ('500,epoch')"
     )
@@ -316,7 +329,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in known:
-            raise ConfigError(f"config file {path}: unknown option {key!r}")
+            # Suggested as the file writes its keys: with underscores, or with dashes as the flags and docs do.
+            spelled = sorted(known) if "_" in str(key) else sorted(k.replace("_", "-") for k in known)
+            raise ConfigError(f"config file {path}: unknown option {key!r}{did_you_mean(str(key), spelled)}")
         out[name] = value
     return out
 

@@ -10,7 +10,7 @@ process.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +37,27 @@ class Data:
     num_classes: int | None  # None for regression, or when the dataset does not say
     input_shape: tuple[int, ...] | None  # of one sample, e.g. (3, 32, 32) or (1,); None for dict samples
     raw: RawImages | None = None  # for augmentation; None: the training set cannot be augmented
+    heads: Heads = field(default_factory=lambda: Heads())  # the first samples of its streams, read once
+
+
+class Heads:
+    """The first samples of a run's streams, read once for every check at start (opening a stream can cost)
+    and let go once the run is set up. Held per run, found by the stream object itself."""
+
+    def __init__(self):
+        self.held: list[tuple] = []  # (stream, its first samples, whether that is all of it)
+
+    def get(self, dataset, n: int) -> list | None:
+        for stream, samples, complete in self.held:
+            if stream is dataset and (len(samples) >= n or complete):
+                return samples[:n]
+        return None
+
+    def keep(self, dataset, samples: list, complete: bool) -> None:
+        self.held = [h for h in self.held if h[0] is not dataset] + [(dataset, samples, complete)]
+
+    def clear(self) -> None:
+        self.held = []
 
 
 def torchvision():

@@ -12,11 +12,12 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import accelerate.utils.other
+import accelerate
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
 
+from . import patches
 from .config import ConfigError, TrainConfig
 
 
@@ -59,24 +60,13 @@ def _number(text: str) -> float | None:
         return None
 
 
-_DEEPSPEED_AVAILABLE = accelerate.utils.other.is_deepspeed_available
-
-
-def leave_deepspeed_alone(engine: str) -> None:
-    """Accelerate's unwrap_model (1.15) imports deepspeed, when it is installed, only to test whether a
-    model is a DeepSpeedEngine; the import prints a warning about the accelerator and costs a second.
-    Without the DeepSpeed engine no model can be one, so the test is skipped for such runs."""
-    accelerate.utils.other.is_deepspeed_available = _DEEPSPEED_AVAILABLE if engine == "DEEPSPEED" else lambda: False
-
-
 def set_up(accelerator: Accelerator, engine: str) -> None:
     """FSDP on CPU processes, and no engine silently replaced by another.
 
     torch's FSDP2 shards over gloo (CPU) as well as NCCL, but Accelerate 1.15 switches FSDP on only
     for GPU process groups: CPU processes launched with fsdp.yaml would quietly train plain DDP. For
-    them the trainer makes the same assignments Accelerate's `AcceleratorState.__init__` makes for a
-    GPU group, with the plugin Accelerate reads from the launcher's environment; preparation,
-    sharding, clipping and checkpoints are then Accelerate's own FSDP2 code, as on GPUs.
+    them patches.fsdp_on_cpu sets FSDP up as Accelerate does for a GPU group, with the plugin Accelerate
+    reads from the launcher's environment.
     """
     if engine == "FSDP" and accelerator.distributed_type == DistributedType.MULTI_CPU:
         plugin = FullyShardedDataParallelPlugin()
@@ -85,11 +75,10 @@ def set_up(accelerator: Accelerator, engine: str) -> None:
                               "accelerate_configs/fsdp.yaml)")
         if accelerator.mixed_precision != "no":
             plugin.set_mixed_precision(accelerator.mixed_precision)
-        accelerator.state.fsdp_plugin = plugin
-        accelerator.state.distributed_type = DistributedType.FSDP
-        # Accelerate keeps the two states in step the same way (an AcceleratorState() created later,
-        # as prepare() does, copies PartialState's distributed_type).
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if not patches.fsdp_on_cpu(accelerator, plugin):
+            raise ConfigError(f"FSDP on CPU processes is set up only on the Accelerate acc_trainer was tested on "
+                              f"({patches.written_for('accelerate')}), not {accelerate.__version__}; on CPUs use "
+                              "accelerate_configs/cpu_ddp.yaml")
     if engine != "DDP" and accelerator.distributed_type != DistributedType[engine]:
         raise ConfigError(f"the accelerate config selects {engine} but Accelerate set up "
                           f"{accelerator.distributed_type.value} on {accelerator.device.type}; start the "

@@ -2,7 +2,8 @@
 
 Values are taken in this order, later winning: defaults, `--config FILE` (YAML), flags on the command
 line. A mistake raises ConfigError (one line on stderr and exit 2 from the CLI), never argparse's
-usage block.
+usage block; an option is never abbreviated, and an unknown one is answered with the nearest known one.
+The sub-commands (evaluate, predict, check, bench) take the same options through `add_training_options`.
 """
 
 from __future__ import annotations
@@ -10,20 +11,20 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
-from .config import ConfigError, TrainConfig, load_yaml, make_config
+from .config import ConfigError, TrainConfig, did_you_mean, load_yaml, make_config
 
 EXAMPLES = """\
-commands:
-  acc-trainer [options]                                train (the options below)
-  acc-trainer report RUN_DIR [RUN_DIR ...]             compare runs: a table and a figure (report --help)
-  acc-trainer bench [--processes 1,2] [options]        speed vs hand-written loops, 1 and N processes (bench --help)
+commands (acc-trainer COMMAND --help describes each):
+  acc-trainer [options]                                train (the options above)
+  acc-trainer report RUN_DIR [RUN_DIR ...]             compare runs: a table and a figure
+  acc-trainer bench [--processes 1,2] [options]        speed vs hand-written loops, 1 and N processes
   acc-trainer check [--steps N] [options]              prove the job trains the same on 1 and 2 processes and resumes exactly
   acc-trainer check-data [options]                     open every sample once; list those that cannot be read
   acc-trainer evaluate RUN_DIR [--weights F] [--output F.json] [options]   a finished run's weights on any set
   acc-trainer predict RUN_DIR --output F.jsonl|.csv|.npz [options]         one row per sample, in order
 
 examples:
-  acc-trainer                                          default job: LeNet on generated images, ~30 s on a laptop CPU
+  acc-trainer                                          default job: LeNet on generated images, about 7 s on a 2-core CPU
   acc-trainer --model linreg --dataset linear --optimizer sgd --lr 0.01 --batch-size 32 --epochs 10
   acc-trainer --model resnet18 --dataset cifar10 --data-dir data --image-size 224 --batch-size 512 --optimizer sgd
   acc-trainer --model my_model:Net --model-args '{width: 64}' --dataset my_data:load      your own model and data
@@ -33,34 +34,104 @@ examples:
 """
 
 
+# --help's groups of options, as docs/options.md groups them (a test keeps the two in step).
+THEMES = {
+    "What to train": ("model", "dataset", "data_dir", "model_args", "dataset_args", "loss", "collate", "forward"),
+    "How long": ("epochs", "max_steps"),
+    "Batches": ("batch_size", "grad_accum", "eval_batch_size"),
+    "Fine-tuning": ("init_from", "init_strict", "pretrained", "freeze", "unfreeze_at", "param_groups",
+                    "no_decay_norm_bias", "layer_decay"),
+    "Optimizer and schedule": ("optimizer", "optimizer_args", "momentum", "nesterov", "weight_decay", "lr", "scale_lr",
+                               "lr_reference_batch", "scheduler", "warmup_steps", "lr_step_epochs", "lr_gamma",
+                               "max_grad_norm"),
+    "Precision and devices": ("mixed_precision", "cpu", "sync_bn", "seed", "dist_timeout"),
+    "Data": ("augment", "mixup", "cutmix", "label_smoothing", "ema", "data_pipeline", "num_workers", "train_size",
+             "eval_size", "image_size"),
+    "Run files and output": ("output_dir", "log_every", "log_with", "progress", "plots"),
+    "Evaluation": ("metrics", "early_stop", "patience", "min_delta"),
+    "Checkpoints and faults": ("checkpoint_every", "keep_last", "resume", "save_best", "skip_nonfinite",
+                               "skip_bad_samples"),
+    "GPU speed": ("compile", "channels_last", "tf32"),
+}
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with a mistake raised as ConfigError (one line, exit 2) instead of its usage block."""
+    """argparse, with a mistake raised as ConfigError (one line, exit 2) instead of its usage block, and no
+    abbreviated options (`--epoch` is not taken for `--epochs`: it is refused with a suggestion)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         raise ConfigError(message)
 
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        option = next((a.split("=", 1)[0] for a in extra if a.startswith("-")), None)
+        if option is not None:
+            known = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+            raise ConfigError(f"unknown option {option}{did_you_mean(option, known)}")
+        if extra:
+            raise ConfigError(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
-def build_parser() -> argparse.ArgumentParser:
+
+class _OnOrOff(argparse.Action):
+    """A yes/no option whose name starts with no-: its first flag (--no-x) sets it, its second (--x) clears it.
+    BooleanOptionalAction would read --no-x as the OFF form of an option x."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string == self.option_strings[0])
+
+
+def build_parser() -> Parser:
     parser = Parser(
         prog="acc-trainer",
+        usage="%(prog)s [options]  (or a command, listed at the end)",
         description="Train a model with one Accelerate loop on a CPU, one GPU, several GPUs or several machines.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        argument_default=argparse.SUPPRESS,  # only flags actually given override the config file
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML file of options (names as below); flags override it")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        help_text = f"{f.metadata['help']} (default: {default})"
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        if kind.startswith("bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-            continue
-        base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
-        parser.add_argument(flag, type=base, choices=f.metadata.get("choices"), metavar=_metavar(f, base),
-                            help=help_text.replace("%", "%%"))
+    add_training_options(parser)
     return parser
+
+
+def add_training_options(parser: argparse.ArgumentParser, summary: str | None = None) -> None:
+    """--config and one option per TrainConfig field, in THEMES' groups. A sub-command gives a `summary`
+    instead: it takes them all, and its --help shows that one line in their place."""
+    hidden = summary is not None
+    if hidden:
+        parser.add_argument_group("training options", summary)
+    help_text = "YAML file of options (names as below); flags override it"
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS if hidden else help_text)
+    by_name = {f.name: f for f in fields(TrainConfig)}
+    for theme, names in THEMES.items():
+        group = parser if hidden else parser.add_argument_group(theme)
+        for name in names:
+            _add_option(group, by_name[name], hidden)
+
+
+def _add_option(group, f, hidden: bool) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    help_text = f.metadata["help"]
+    if "(default:" not in help_text:  # some say what their default means themselves
+        help_text += f" (default: {f.default if f.default is not MISSING else None})"
+    help_text = argparse.SUPPRESS if hidden else help_text.replace("%", "%%")
+    # Only flags actually given override the config file.
+    common = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind.startswith("bool"):
+        if f.name.startswith("no_"):
+            group.add_argument(flag, "--" + flag[len("--no-"):], action=_OnOrOff, **common)
+        else:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        return
+    base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
+    group.add_argument(flag, type=base, choices=f.metadata.get("choices"), metavar=_metavar(f, base), **common)
 
 
 def _metavar(f, base) -> str:
@@ -72,8 +143,14 @@ def _metavar(f, base) -> str:
     return {int: "N", float: "X"}.get(base, "TEXT")
 
 
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed arguments: the flags given, over --config's file, over the defaults (a
+    sub-command's own arguments are left out)."""
+    values = vars(args)
+    given = {f.name: values[f.name] for f in fields(TrainConfig) if f.name in values}
+    base = load_yaml(values["config"]) if "config" in values else {}
+    return make_config({**base, **given})
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    args = vars(build_parser().parse_args(argv))
-    values = load_yaml(args.pop("config")) if "config" in args else {}
-    values.update(args)
-    return make_config(values)
+    return config_from(build_parser().parse_args(argv))

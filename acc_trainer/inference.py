@@ -7,10 +7,11 @@
 
 From a run folder, the model and data are rebuilt from its `config.yaml` (options given override it: another
 `--dataset`, `--data-dir`, `--eval-batch-size`), and its `model.safetensors` (or `--weights`) is loaded:
-never an evaluation of random weights. Both go through the training loop's own evaluation data path:
-the set in its order, each global batch split between the processes by Accelerate, the padding of the
-last batch left out (`loop.evaluate` counts the real samples with `gather_for_metrics`; predictions are
-gathered with it). Predictions are written by the main process as the batches arrive.
+never an evaluation of random weights. Both go through the training run's own evaluation path
+(evaluation.py): the Accelerator built the same way, the set in its order, each global batch split between
+the processes by Accelerate, the padding of the last batch left out (`real_batches` counts the real
+samples with `gather_for_metrics`; predictions of every process are joined in order by `everyones`).
+Predictions are written by the main process as the batches arrive.
 """
 
 from __future__ import annotations
@@ -22,21 +23,20 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import gather_object, send_to_device
+from accelerate import PartialState
 
 from . import components, processes
 from .config import ConfigError, TrainConfig, first_line
-from .data import Uncollated, is_stream, length, one_at_a_time, reads_files
-from .loaders import dataloader_config, evaluation_loader, stream_evaluation
+from .data import is_stream, length, one_at_a_time, reads_files
+from . import evaluation
+from .evaluation import everyones, format_results, real_batches, stream_faults, unreadable_everywhere
+from .loaders import evaluation_loader, stream_evaluation
 from .losses import forward, predictions
-from .stopping import TrainingStopped
-from .streams import StreamUnreadable, forget
+from .setup import accelerator_for
 
 FORMATS = (".jsonl", ".csv", ".npz")
 
@@ -49,7 +49,7 @@ def evaluate(model, dataset, *, loss=None, metrics=None, collate_fn=None, forwar
     """`model` (with its weights loaded) evaluated on `dataset`, exactly, on every process of a launch:
     the loss and every metric over the whole set (metrics as for `fit`; metrics with state computed once),
     `samples`, and for classification the confusion matrix and per-class table under `tables`."""
-    from .loop import fit_config
+    from .api import fit_config
 
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward)
@@ -62,7 +62,7 @@ def predict(model, dataset, *, output: str | os.PathLike | None = None, collate_
     `index` (and `class`, the highest score, for class scores). Written to `output` (.jsonl, .csv or
     .npz) as the batches arrive, by the main process, which returns its path; without `output`, the rows
     (every process gets them all)."""
-    from .loop import fit_config
+    from .api import fit_config
 
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward)
@@ -72,70 +72,55 @@ def predict(model, dataset, *, output: str | os.PathLike | None = None, collate_
 # ----------------------------------------------------------------------------------------- the pieces
 
 
-def _prepared(cfg: TrainConfig, job: components.Workload, dataset):
-    """The processes, the Accelerator, the first-sample check and the prepared model and loader."""
-    partial_state, _, cpu, timeout = processes.start(cfg)
-    checked = components.check_fit(job)
-    accelerator = Accelerator(cpu=cpu, mixed_precision=cfg.mixed_precision, dataloader_config=dataloader_config(cfg),
-                              kwargs_handlers=[timeout])
+def _prepared(cfg: TrainConfig, job: components.Workload, dataset, group: processes.Group | None = None) -> tuple:
+    """The Accelerator (as a training run builds it: setup.accelerator_for) and the prepared model and loader;
+    the caller has checked the first samples (components.check_fit)."""
+    group = group or processes.start(cfg)
+    accelerator = accelerator_for(cfg, group)
     world = accelerator.num_processes
     per_process = cfg.eval_batch_size or max(1, cfg.batch_size // (world * cfg.grad_accum))
     if is_stream(dataset):  # its own loader (streams.py), which already holds this process's share
         loader = stream_evaluation(cfg, dataset, per_process * world, world, accelerator.process_index, job.collate,
-                                   accelerator.device, processes.summing(accelerator), job.dataset_name)
+                                   accelerator.device, processes.summing(accelerator), job.dataset_name, job.data.heads)
     else:
         loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
                                    collate=job.collate)
-    forget()  # the first samples read for the checks at start
+    job.data.heads.clear()  # the first samples read for the checks at start
     model, loader = accelerator.prepare(job.model, loader)
-    return accelerator, model, loader, checked
+    return accelerator, model, loader
 
 
-def _evaluate(cfg: TrainConfig, job: components.Workload, dataset) -> dict:
-    from .loop import evaluate as evaluate_loop
-
-    accelerator, model, loader, checked = _prepared(cfg, job, dataset)
-    with _stream_faults():
-        results = evaluate_loop(accelerator, model, loader, checked.loss if checked.eval_loss else None,
-                                checked.metrics, guarded=reads_files(dataset), forward_fn=job.forward,
-                                tables=checked.tables)
-    results.pop("unreadable", None)
-    if results.pop("unreadable_indices", None):
+def _evaluate(cfg: TrainConfig, job: components.Workload, dataset, group: processes.Group | None = None) -> dict:
+    checked = components.check_fit(job)
+    accelerator, model, loader = _prepared(cfg, job, dataset, group)
+    with stream_faults(str):
+        results = evaluation.evaluate(accelerator, model, loader, checked.loss if checked.eval_loss else None,
+                           checked.metrics, guarded=reads_files(dataset), forward_fn=job.forward, tables=checked.tables)
+    if results.pop("unreadable", None):
         raise ConfigError("some samples cannot be read; acc-trainer check-data lists them")
     return results
 
 
-def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None) -> tuple:
+def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None,
+             group: processes.Group | None = None) -> tuple:
     """(OUTPUT, or the rows without one; the number of rows)."""
     size = length(dataset) if is_stream(dataset) else len(dataset)
     if size is None and output is not None and output.suffix == ".npz":
         raise ConfigError(f"predict: .npz arrays are made at the stream's size, and {job.dataset_name} does not say it "
                           "(no __len__); write .jsonl or .csv")
-    accelerator, model, loader, _ = _prepared(cfg, job, dataset)
+    components.check_fit(job)  # one line for data that does not fit the model
+    accelerator, model, loader = _prepared(cfg, job, dataset, group)
     model.eval()
     writer = Writer(output, size) if accelerator.is_main_process else None
-    rows, index, unreadable = [], 0, 0
-    guarded = reads_files(dataset)
+    rows, index, unreadable = [], 0, []
     try:
-        with _stream_faults(), torch.no_grad(), _progress(accelerator.is_main_process and output is not None,
-                                         None if is_stream(dataset) else len(loader)) as advance:
-            for batch in loader:
-                real = batch.real if isinstance(batch, Uncollated) else None  # known for a stream's shares
-                if isinstance(batch, Uncollated):
-                    batch = send_to_device(batch.first(len(batch) if real is None else max(real, 1)), accelerator.device)
-                if guarded:
-                    batch, indices = batch
-                    unreadable += sum(i >= 0 for i in indices)
+        with stream_faults(str), torch.no_grad(), _progress(accelerator.is_main_process and output is not None,
+                                                             None if is_stream(dataset) else len(loader)) as advance:
+            for batch, real, bad in real_batches(accelerator, loader, reads_files(dataset)):
+                unreadable += bad
                 outputs, _ = (job.forward or forward)(model, batch)
-                local = _per_sample(outputs)
-                if real is not None:  # each process's real outputs, in process order (the shares' order)
-                    parts = gather_object([send_to_device(local[:real], "cpu")])
-                    gathered = torch.cat(parts) if isinstance(local, torch.Tensor) else [x for p in parts for x in p]
-                else:
-                    # gather_for_metrics: every process's share of the global batch in order, the last batch's padding
-                    # dropped (objects: outputs of other kinds, or tensors whose shape differs between processes)
-                    gathered = accelerator.gather_for_metrics(local, use_gather_object=not isinstance(local, torch.Tensor))
-                batch_rows = _rows(gathered, index)
+                # every process's real outputs, in process order: the global batch's, in the dataset's order
+                batch_rows = _rows(everyones(accelerator, _per_sample(outputs), real), index)
                 if output is not None and index == 0:
                     check_rows(batch_rows, output)  # on every process: none is left waiting for the main one
                 index += len(batch_rows)
@@ -144,7 +129,7 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
                 if output is None:
                     rows += batch_rows
                 advance()
-        if accelerator.reduce(torch.tensor(unreadable, device=accelerator.device), "sum").item():
+        if unreadable_everywhere(accelerator, unreadable):
             raise ConfigError("predict: some samples cannot be read (their rows would be another sample's); "
                               "acc-trainer check-data lists them")
         if writer:
@@ -215,15 +200,6 @@ class _progress:
     def __exit__(self, *exc):
         if self.show:
             self.bar.stop()
-
-
-@contextmanager
-def _stream_faults():
-    """A stream that cannot be read ends the command with one line (every process agrees on it)."""
-    try:
-        yield
-    except StreamUnreadable as e:
-        raise TrainingStopped(str(e), code=1) from None
 
 
 def check_rows(rows: list[dict], path: Path) -> None:
@@ -311,42 +287,46 @@ class Writer:
 # ----------------------------------------------------------------------------------------- the command line
 
 
-def _run_options(argv: list[str], command: str) -> tuple[TrainConfig, Path, Path, Path | None, str, list[str]]:
-    """RUN_DIR, --weights, --output, --split and the training options over the run's config.yaml."""
-    from .flags import parse_config
+@dataclass
+class _Command:
+    """What `evaluate`/`predict` on a run folder were given besides the training options."""
 
-    if not argv or argv[0].startswith("-"):
-        raise ConfigError(f"acc-trainer {command} RUN_DIR: give the folder of a finished run first")
-    run, rest = Path(argv[0]), [part for arg in argv[1:] for part in
-                                 (arg.split("=", 1) if arg.split("=", 1)[0] in ("--weights", "--output", "--split")
-                                  else [arg])]
-    taken = {}
-    for flag in ("--weights", "--output", "--split"):
-        if flag in rest:
-            i = rest.index(flag)
-            if i + 1 >= len(rest):
-                raise ConfigError(f"{flag} takes a value")
-            taken[flag] = rest[i + 1]
-            del rest[i:i + 2]
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"{run} holds no config.yaml: not the folder of an acc_trainer run")
-    weights = Path(taken.get("--weights") or run / "model.safetensors")
+    run: Path
+    weights: Path
+    output: Path | None
+    split: str
+
+
+def _run_options(argv: list[str], command: str, about: str, output_help: str) -> tuple[TrainConfig, _Command]:
+    """RUN_DIR, --weights, --output, --split and the training options over the run's config.yaml."""
+    from .flags import Parser, add_training_options, config_from
+
+    parser = Parser(prog=f"acc-trainer {command}", description=about)
+    parser.add_argument("run", type=Path, metavar="RUN_DIR", help="the folder of a finished run")
+    parser.add_argument("--weights", type=Path, metavar="FILE", help="the weights to load (default: "
+                        "RUN_DIR/model.safetensors)")
+    parser.add_argument("--output", type=Path, metavar="FILE", help=output_help)
+    parser.add_argument("--split", choices=("eval", "train"), default="eval",
+                        help="the data's evaluation or training set (default: eval)")
+    add_training_options(parser, "every option of acc-trainer --help, over the run's own config.yaml (e.g. "
+                                 "--dataset, --data-dir, --eval-batch-size)")
+    args = parser.parse_args(argv)
+    if not (args.run / "config.yaml").is_file():
+        raise ConfigError(f"{args.run} holds no config.yaml: not the folder of an acc_trainer run")
+    weights = args.weights or args.run / "model.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give --weights "
                           "FILE: never an evaluation of random weights")
-    output = Path(taken["--output"]) if "--output" in taken else None
-    split = taken.get("--split", "eval")
-    if split not in ("eval", "train"):
-        raise ConfigError(f"--split takes eval or train, not {split!r}")
-    cfg = parse_config(["--config", str(run / "config.yaml"), *rest])
-    return cfg, run, weights, output, split, rest
+    if "config" not in args:  # a --config given here replaces the run's, as it always did
+        args.config = args.run / "config.yaml"
+    return config_from(args), _Command(args.run, weights, args.output, args.split)
 
 
 def _workload(cfg: TrainConfig, weights: Path, split: str):
+    """The run's model with `weights` loaded, and its `split` set (the processes are started)."""
     from accelerate.utils import set_seed
     from safetensors.torch import load_file
 
-    processes.start(cfg)
     set_seed(cfg.seed)
     job = components.build_workload(replace(cfg, pretrained=False))  # the run's weights replace them anyway
     try:
@@ -366,30 +346,36 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
 
 def main_evaluate(argv: list[str]) -> None:
     """`acc-trainer evaluate RUN_DIR [options] [--weights FILE] [--output FILE.json]`."""
-    cfg, run, weights, output, split, _ = _run_options(argv, "evaluate")
+    cfg, given = _run_options(
+        argv, "evaluate", "A finished run's loss and metrics on its evaluation set, or on any set the options name.",
+        "also write the results to FILE.json")
+    weights, output, split = given.weights, given.output, given.split
     if output is not None and output.suffix != ".json":
         raise ConfigError(f"--output {output}: evaluate writes .json")
+    group = processes.start(cfg)  # before the workload: a download happens on the main process first
     job, dataset = _workload(cfg, weights, split)
-    results = _evaluate(cfg, job, dataset)
+    results = _evaluate(cfg, job, dataset, group)
     if PartialState().is_main_process:
-        from .loop import _format_eval
-
         tables = results.pop("tables", {})
-        print(f"{cfg.model} ({weights}) on {cfg.dataset} ({split}): {_format_eval(results)}")
+        print(f"{cfg.model} ({weights}) on {cfg.dataset} ({split}): {format_results(results)}")
         if output is not None:
             output.write_text(json.dumps({**results, **tables, "weights": str(weights), "split": split}, indent=1))
 
 
 def main_predict(argv: list[str]) -> None:
     """`acc-trainer predict RUN_DIR --output FILE [options] [--weights FILE] [--split eval|train]`."""
-    cfg, run, weights, output, split, _ = _run_options(argv, "predict")
+    cfg, given = _run_options(
+        argv, "predict", "A finished run's predictions: one row per sample, in the set's order.",
+        f"where the rows go: FILE with a suffix of {', '.join(FORMATS)} (needed)")
+    weights, output, split = given.weights, given.output, given.split
     if output is None or output.suffix not in FORMATS:
         raise ConfigError(f"acc-trainer predict needs --output FILE with a suffix of {', '.join(FORMATS)}"
                           + (f", not {output.suffix or output.name!r}" if output is not None else ""))
     if not output.parent.is_dir():
         raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    group = processes.start(cfg)
     job, dataset = _workload(cfg, weights, split)
-    written, count = _predict(cfg, job, dataset, output)
+    written, count = _predict(cfg, job, dataset, output, group)
     if PartialState().is_main_process:
         print(f"predictions of {cfg.model} for {count:,} samples of {cfg.dataset} ({split}) in {written}",
               file=sys.stdout)

@@ -88,7 +88,7 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
     if is_stream(data.train):
         train_loader = StreamLoader(data.train, cfg.batch_size, cfg.grad_accum, world, rank, collate, device, agree, name,
                                     workers=stream_workers(cfg), seed=cfg.seed)
-        train_loader.check_start("training", cfg.batch_size)
+        train_loader.check_start("training", cfg.batch_size, data.heads)
     else:
         train_loader = build_loaders(cfg, replace(data, eval=None), world, device, augment, collate)[0]
     if data.eval is None:
@@ -96,15 +96,17 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
     if not is_stream(data.eval):
         placed = _placed(data.eval, replace(cfg, data_pipeline="per-sample") if collate else cfg, device)
         return train_loader, evaluation_loader(placed, per_process * world, cfg.seed, None, collate)
-    return train_loader, stream_evaluation(cfg, data.eval, per_process * world, world, rank, collate, device, agree, name)
+    return train_loader, stream_evaluation(cfg, data.eval, per_process * world, world, rank, collate, device, agree, name,
+                                           data.heads)
 
 
 def stream_evaluation(cfg: TrainConfig, dataset, global_batch: int, world: int, rank: int, collate: Callable | None,
-                      device: torch.device, agree: Callable | None, name: str) -> StreamLoader:
-    """The loader of an evaluation stream (every sample once, in shares of `global_batch`), checked at its start."""
+                      device: torch.device, agree: Callable | None, name: str, heads=None) -> StreamLoader:
+    """The loader of an evaluation stream (every sample once, in shares of `global_batch`), checked at its start
+    (`heads`: the run's first samples already read, data.Heads)."""
     loader = StreamLoader(dataset, global_batch, 1, world, rank, collate, device, agree, name, train=False,
                           workers=stream_workers(cfg), seed=cfg.seed)
-    loader.check_start("evaluation", 1)
+    loader.check_start("evaluation", 1, heads)
     return loader
 
 

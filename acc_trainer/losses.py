@@ -22,12 +22,12 @@ itself, `outputs["logits"]` (or `.logits`), or the first element of a tuple.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable
-
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import recursively_apply
 
 IGNORE_INDEX = -100  # targets torch's cross-entropy (and Hugging Face models) leave out
 
@@ -77,6 +77,37 @@ def as_loss(value) -> Loss:
             and value[0].dim() == 0:
         return Loss(value[0], torch.as_tensor(value[1], device=value[0].device).reshape(()))
     raise NotALoss(value)
+
+
+def batch_loss(model, batch, loss_fn: Callable, forward_fn: Callable | None = None) -> tuple[Any, Any, Loss | None]:
+    """How one batch becomes the model's outputs, the batch's targets and the loss: the one place, for
+    training and evaluation alike. `forward_fn(model, batch) -> (outputs, targets)` is the user's
+    (fit(forward=), --forward), else losses.forward. The loss is a losses.Loss (`loss_fn` may return one
+    number or (sum, count) too), or None when the outputs carry none (a model that returns predictions
+    in evaluation)."""
+    outputs, targets = (forward_fn or forward)(model, batch)
+    loss = loss_fn(outputs, targets) if loss_fn is not None else None
+    return outputs, targets, loss if loss is None or isinstance(loss, Loss) else as_loss(loss)
+
+
+def model_inputs(batch, channels_last: bool, dtype: torch.dtype | None):
+    """A batch as the model takes it: NHWC images for --channels-last, floating inputs in the weights'
+    dtype under DeepSpeed. Targets (the pair's second item, a dict's labels) stay as they are; a batch of
+    another shape (a user's forward function) is converted throughout."""
+    if not channels_last and dtype is None:
+        return batch
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if channels_last and t.dim() == 4:
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    if isinstance(batch, Mapping):
+        return {k: v if k == "labels" else recursively_apply(convert, v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, targets = batch
+        return [recursively_apply(convert, inputs), targets]
+    return recursively_apply(convert, batch)
 
 
 def own_loss(outputs) -> torch.Tensor | None:

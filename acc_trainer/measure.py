@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import copy
 import platform
 import resource
+import warnings
+from collections.abc import Mapping
 
 import torch
+from accelerate.utils import send_to_device
 
 
 def fingerprint(model: torch.nn.Module) -> torch.Tensor:
@@ -34,41 +38,89 @@ def library_versions() -> dict:
 
 
 def flops_per_sample(model: torch.nn.Module, batch, forward_fn=None) -> int:
-    """Training FLOPs of one sample (forward + backward) in matrix multiplies and convolutions; `batch`
-    holds one sample, as the loader collates it.
+    """Training FLOPs of one sample, forward + backward, as torch.utils.flop_counter.FlopCounterMode counts
+    them: 2 per multiply-add of every matrix multiply, convolution and attention, and of the gradients
+    autograd computes (of the weights that train and of every input that needs one: not the first
+    layer's input). `batch` holds one sample, as the loader collates it; `forward_fn(model, batch)`: the
+    run's own, else losses.forward.
 
-    The same count torch.utils.flop_counter.FlopCounterMode gives (a test checks it on every model),
-    from one forward pass of hooks on Linear and Conv layers: FlopCounterMode's first use costs a
-    second of start-up. Per layer: forward F, weight gradient F, input gradient F unless the input
-    needs none (the first layer). `forward_fn(model, batch)`: the run's own, else losses.forward."""
+    Counted in evaluation mode (the same FLOPs; BatchNorm takes one sample) on a copy of the model whose
+    parameters and buffers are on the meta device: shapes only, no arithmetic, nothing of the model
+    touched. A forward that reads values (`.item()`, a padding mask, NMS) cannot run there: then the
+    sample runs through the model itself, forward and `autograd.grad` (no `.grad` changes). 0, with a
+    warning, when it cannot run there either."""
     from .losses import forward
 
-    total = 0
-
-    def count(module, inputs, output):
-        nonlocal total
-        if isinstance(module, torch.nn.Linear):
-            forward_flops = 2 * module.in_features * output.numel()
-        else:  # ConvNd: every output value sums in_channels/groups x kernel products
-            kernel = 1
-            for k in module.kernel_size:
-                kernel *= k
-            forward_flops = 2 * (module.in_channels // module.groups) * kernel * output.numel()
-        total += forward_flops * (3 if inputs[0].requires_grad else 2)
-
-    layers = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, layers)]
-    was_training = model.training
+    forward_fn = forward_fn or forward
     try:
-        model.eval()  # BatchNorm statistics stay untouched; the FLOPs are the same
-        # Only the main process counts: the random numbers a model may draw must stay in step.
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            (forward_fn or forward)(model, batch)
+        return _counted(_on_meta(model), send_to_device(batch, "meta"), forward_fn)
+    except Exception:  # the forward needs values: count on the model itself
+        pass
+    try:
+        return _counted(model, batch, forward_fn)
+    except Exception as error:  # the count is a figure of the run, not a reason to stop it
+        warnings.warn(f"model FLOPs not counted ({type(error).__name__}: {error}): the run reports 0 FLOP/s and "
+                      "no MFU", stacklevel=2)
+        return 0
+
+
+def _on_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` with its parameters and buffers on the meta device (no data copied), so that
+    whatever its forward caches or changes stays in the copy."""
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in model.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    return copy.deepcopy(model, memo)
+
+
+def _counted(model: torch.nn.Module, batch, forward_fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode  # 0.1 s of imports, for runs only
+
+    was_training = model.training
+    model.eval()
+    try:
+        with (torch.enable_grad(), torch.random.fork_rng(devices=[]),
+              FlopCounterMode(display=False, custom_mapping=ATTENTION) as counter):
+            result = forward_fn(model, batch)
+            ends = [t for t in _tensors(result) if t.requires_grad]
+            trained = [p for p in model.parameters() if p.requires_grad]
+            if ends and trained:
+                torch.autograd.grad(ends, trained, [torch.ones_like(t) for t in ends], allow_unused=True)
     finally:
-        for hook in hooks:
-            hook.remove()
         model.train(was_training)
-    return total
+    return counter.get_total_flops()
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """Q K^T and the weights times V, of shapes (batch, heads, positions, head size)."""
+    batch, heads, queries, size = query
+    return 2 * batch * heads * queries * key[-2] * (size + value[-1])
+
+
+def _attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """The gradients of both products' two inputs: twice the forward, as for any matrix multiply. torch's own
+    formula for its fused CUDA kernels adds the scores they compute again, which the model does not ask for."""
+    return 2 * _attention(query, key, value)
+
+
+aten = torch.ops.aten
+# torch 2.14 counts no FLOPs for the CPU's fused attention (the kernel a CPU forward of nn.functional.
+# scaled_dot_product_attention runs); its backward counted as any attention backward, on every device.
+ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+             **dict.fromkeys([aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                              aten._scaled_dot_product_flash_attention_backward,
+                              aten._scaled_dot_product_efficient_attention_backward,
+                              aten._scaled_dot_product_cudnn_attention_backward], _attention_backward)}
 
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, for model FLOPs utilisation.

@@ -13,6 +13,9 @@ A metric is either
 
 from __future__ import annotations
 
+import math
+import re
+
 from typing import Callable
 
 import torch
@@ -212,3 +215,36 @@ def is_stateful(metric) -> bool:
     """A metric with state: one of the built-ins above, or an object with update, compute and reset
     (torchmetrics' protocol; such an object combines the processes itself, as torchmetrics' do)."""
     return all(callable(getattr(metric, name, None)) for name in ("update", "compute", "reset"))
+
+
+# ----------------------------------------------------------------------------------------- which is best
+
+LOWER_IS_BETTER = re.compile(r"(^|_)(loss|error|mae|mse)$")
+
+
+def improves(metric: str, value: float, best: float | None, margin: float = 0.0) -> bool:
+    """Whether `value` of `metric` beats `best` (None: nothing yet) by more than `margin`: lower for losses and
+    errors, higher otherwise; NaN never does. The one definition of "better" (--save-best, --early-stop with
+    its --min-delta, the summary, `acc-trainer report`)."""
+    if math.isnan(value):
+        return False
+    if best is None or math.isnan(best):
+        return True
+    return value < best - margin if LOWER_IS_BETTER.search(metric) else value > best + margin
+
+
+def ranked_by(evals: list[dict], metric: str | None = None) -> str | None:
+    """What ranks a run's evaluations: `metric` (its --save-best or --early-stop), else accuracy, else the loss."""
+    if metric:
+        return metric
+    names = set(evals[0]) if evals else set()
+    return "accuracy" if "accuracy" in names else "loss" if "loss" in names else None
+
+
+def best_evaluation(evals: list[dict], metric: str) -> dict | None:
+    """The first evaluation whose `metric` no later one improves on (`improves`), or None."""
+    best = None
+    for e in evals:
+        if metric in e and improves(metric, e[metric], best[metric] if best else None):
+            best = e
+    return best

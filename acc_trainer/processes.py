@@ -10,32 +10,44 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs, PartialState
-from accelerate.utils import broadcast, broadcast_object_list
+from accelerate.utils import DistributedType, broadcast, broadcast_object_list
 
-from . import engines
+from . import engines, patches
 from .config import ConfigError, TrainConfig
 from .data import Data
 from .measure import fingerprint
 
 
-def start(cfg: TrainConfig) -> tuple[PartialState, str, bool, InitProcessGroupKwargs]:
+@dataclass
+class Group:
+    """The processes of a run: Accelerate's PartialState, the engine the accelerate config selects (DDP, FSDP or
+    DEEPSPEED), whether they run on the CPU, and the timeout of their collectives."""
+
+    state: PartialState
+    engine: str
+    cpu: bool
+    timeout: InitProcessGroupKwargs
+
+
+def start(cfg: TrainConfig) -> Group:
     """The process group (Accelerate's PartialState, a singleton: calling this again returns the same),
     the engine the accelerate config selects, and whether to run on the CPU."""
     # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
     cpu = cfg.cpu or not torch.cuda.is_available()
     engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
-    engines.leave_deepspeed_alone(engine)
+    patches.apply_to_process()  # Accelerate's per-step lookups once, and no DeepSpeed import (docs/performance.md)
     if engine == "DEEPSPEED":
         engines.check_deepspeed(cfg)
         cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
-    return PartialState(cpu=cpu, **timeout.to_kwargs()), engine, cpu, timeout
+    return Group(PartialState(cpu=cpu, **timeout.to_kwargs()), engine, cpu, timeout)
 
 
 def warn_if_one_process_was_meant(state: PartialState) -> None:
@@ -66,7 +78,7 @@ def check_same_data(accelerator: Accelerator, data: Data) -> None:
     from .streams import fingerprint, first
 
     if is_stream(data.train) or is_stream(data.eval):  # the first samples' fingerprint: a stream split by process differs
-        rows = [fingerprint(first(d, 4)) if is_stream(d) else [float(len(d)), 0.0] if d is not None else [-1.0, 0.0]
+        rows = [fingerprint(first(d, 4, heads=data.heads)) if is_stream(d) else [float(len(d)), 0.0] if d is not None else [-1.0, 0.0]
                 for d in (data.train, data.eval)]
         everywhere = accelerator.gather(torch.tensor([sum(rows, [])], dtype=torch.float64,
                                                      device=accelerator.device)).tolist()
@@ -95,18 +107,29 @@ def same_initial_weights(accelerator: Accelerator, model) -> list[str]:
             "accelerate.utils.set_seed); every process starts from process 0's"]
 
 
-def check_ranks_agree(accelerator: Accelerator, model, when: str) -> bool:
-    """Compares the parameters of every process (checked, not assumed); a difference is a bug.
-
-    Under FSDP or DeepSpeed each process holds a different shard once the model is prepared:
-    there, only the initial (unsharded) model is compared.
-    """
-    if when != "initial" and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        return True
-    # Before `prepare` the model is plain; unwrapping it anyway would import torch._dynamo (~1 s).
-    if not _ranks_equal(accelerator, model if when == "initial" else accelerator.unwrap_model(model)):
-        raise RuntimeError(f"the {when} parameters differ between processes")
-    return True
+def ranks_agree(accelerator: Accelerator, model) -> dict:
+    """Whether every process holds the same weights, measured: `agree` is True or False when they were
+    compared (each process's fingerprint of its whole model, gathered), None with the reason when there
+    is nothing to compare (one process; FSDP and ZeRO-3 keep each weight once, sharded)."""
+    world, kind = accelerator.num_processes, accelerator.distributed_type
+    reason = None
+    if world == 1:
+        reason = "one process"
+    elif kind == DistributedType.FSDP:
+        reason = "FSDP keeps each weight once, sharded over the processes: there are no copies to compare"
+    elif kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        reason = "DeepSpeed ZeRO-3 keeps each weight once, sharded over the processes: there are no copies to compare"
+    if reason:
+        return {"agree": None, "detail": f"not checked: {reason}"}
+    # DDP and ZeRO-1/2 keep a whole copy on every process (unwrap_model gives DeepSpeed's module too).
+    prints = accelerator.gather(fingerprint(accelerator.unwrap_model(model, keep_torch_compile=False))
+                                .to(accelerator.device)[None])
+    differ = [i for i in range(world) if not torch.equal(prints[i], prints[0])]
+    if differ:
+        return {"agree": False, "detail": f"the weights of process(es) {', '.join(map(str, differ))} differ from "
+                                          "process 0's"}
+    return {"agree": True, "detail": f"the same weights on {world} processes (every parameter's sum and sum of "
+                                     "squares, compared exactly)"}
 
 
 def _ranks_equal(accelerator: Accelerator, model) -> bool:

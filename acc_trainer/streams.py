@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
+from . import patches
 from .config import ConfigError, first_line
 from .data import Uncollated
 
@@ -82,30 +83,24 @@ def start_epoch(dataset, epoch: int) -> None:
         dataset.set_epoch(epoch)
 
 
-_heads: dict[int, tuple] = {}  # id(stream) -> (stream, its first samples, whether that is all of it)
-
-
-def first(dataset, n: int, name: str = "the stream") -> list:
-    """The first `n` samples of epoch 0 (fewer when the stream is shorter), read once per run: every check at
-    start looks at them, and opening a stream can cost (`datasets` waits 5 s for pyarrow's threads whenever a
-    shuffled parquet stream is left before its end)."""
-    held = _heads.get(id(dataset))
-    if held is None or held[0] is not dataset or (len(held[1]) < n and not held[2]):
-        start_epoch(dataset, 0)
-        with naming_files() as named:
-            try:
-                samples = list(islice(iter(dataset), max(n, 16)))
-            except Exception as e:
-                if not is_read_error(e):
-                    raise  # a bug in the stream's code: its traceback is the user's
-                raise ConfigError(f"{name} cannot be read at its start ({describe_error(e, named.files)})") from None
-        held = _heads[id(dataset)] = (dataset, samples, len(samples) < max(n, 16))
-    return held[1][:n]
-
-
-def forget() -> None:
-    """A new run reads its streams' first samples again."""
-    _heads.clear()
+def first(dataset, n: int, name: str = "the stream", heads=None) -> list:
+    """The first `n` samples of epoch 0 (fewer when the stream is shorter); with `heads` (data.Heads, the run's),
+    read once per run: every check at start looks at them, and opening a stream can cost (`datasets` waits 5 s
+    for pyarrow's threads whenever a shuffled parquet stream is left before its end)."""
+    held = heads.get(dataset, n) if heads is not None else None
+    if held is not None:
+        return held
+    start_epoch(dataset, 0)
+    with naming_files() as named:
+        try:
+            samples = list(islice(iter(dataset), max(n, 16)))
+        except Exception as e:
+            if not is_read_error(e):
+                raise  # a bug in the stream's code: its traceback is the user's
+            raise ConfigError(f"{name} cannot be read at its start ({describe_error(e, named.files)})") from None
+    if heads is not None:
+        heads.keep(dataset, samples, len(samples) < max(n, 16))
+    return samples[:n]
 
 
 def read_through(dataset, collate: Callable | None = None) -> tuple[int, list[str]]:
@@ -224,23 +219,21 @@ class _Reading(IterableDataset):
         self.loader, self.epoch, self.skip, self.state = loader, epoch, skip, state
 
     def __iter__(self):
-        # The stream must give the same samples in the worker as in a thread: `datasets` (5.2) splits its shards
-        # among DataLoader workers and reorders a shuffled stream when it sees one (torch's get_worker_info), and
-        # a user's stream may split itself alike. The worker is acc_trainer's alone: the stream is not told.
-        import torch.utils.data._utils.worker as worker_state
-
-        worker_state._worker_info = None
-        for item in self.loader._produce(self.epoch, self.skip, self.state, worker=True):
-            # One pickled step, its tensors as numpy arrays: the DataLoader would pass each sample's tensors through
-            # shared memory one by one (a file descriptor each, 25x slower for small samples), and pickling a torch
-            # tensor costs 0.1 ms (a 64-sample step: 8 ms to pickle, 8 ms to unpickle; as arrays, 0.2 ms).
-            try:
-                if isinstance(item, _Step):
-                    item.batches = _arrays(item.batches)
-                yield pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as e:  # noqa: BLE001 - a sample that cannot travel: handed to the loop like any failure
-                yield pickle.dumps(_Failed(_portable(e), getattr(item, "samples", 0), [], traceback.format_exc()))
-                return
+        # The stream must give the same samples in the worker as in a thread (a stream that sees a DataLoader worker
+        # may split or reorder itself). The worker is acc_trainer's alone: the stream is not told.
+        with patches.worker_info_hidden():
+            for item in self.loader._produce(self.epoch, self.skip, self.state, worker=True):
+                # One pickled step, its tensors as numpy arrays: the DataLoader would pass each sample's tensors
+                # through shared memory one by one (a file descriptor each, 25x slower for small samples), and
+                # pickling a torch tensor costs 0.1 ms (a 64-sample step: 8 ms to pickle, 8 ms to unpickle; as
+                # arrays, 0.2 ms).
+                try:
+                    if isinstance(item, _Step):
+                        item.batches = _arrays(item.batches)
+                    yield pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as e:  # noqa: BLE001 - a sample that cannot travel: handed to the loop like any failure
+                    yield pickle.dumps(_Failed(_portable(e), getattr(item, "samples", 0), [], traceback.format_exc()))
+                    return
 
 
 def _as_is(item):
@@ -491,10 +484,11 @@ class StreamLoader:
             samples, real = step.batches[0]
             yield Uncollated(samples, self.collate, real=real)
 
-    def check_start(self, what: str, at_least: int) -> None:
+    def check_start(self, what: str, at_least: int, heads=None) -> None:
         """An empty stream, or one shorter than `at_least` samples, is one line before anything runs; so is a
-        saved position that a checkpoint cannot hold (trainer_state.json keeps it)."""
-        got = len(first(self.dataset, at_least, f"the {what} stream of {self.name}"))
+        saved position that a checkpoint cannot hold (trainer_state.json keeps it). `heads`: the run's first
+        samples already read (data.Heads)."""
+        got = len(first(self.dataset, at_least, f"the {what} stream of {self.name}", heads))
         if got == 0:
             raise ConfigError(f"the {what} stream of {self.name} is empty")
         if got < at_least:

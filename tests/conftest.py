@@ -117,11 +117,11 @@ def run_here(*args, cwd=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def train_in_process(tmp_path):
-    """Runs `acc_trainer.loop.train` in this process, one run after another, as the API user does."""
+    """Runs `acc_trainer.train` in this process, one run after another, as the API user does."""
     from accelerate.state import AcceleratorState, GradientState
 
     from acc_trainer.config import make_config
-    from acc_trainer.loop import train
+    from acc_trainer.api import train
 
     count = 0
 

@@ -293,7 +293,7 @@ def test_best_checkpoint_and_final_weights(train_in_process):
     from acc_trainer.losses import cross_entropy
     from acc_trainer.metrics import METRICS
     from acc_trainer.loaders import build_loaders, dataloader_config
-    from acc_trainer.loop import evaluate
+    from acc_trainer.evaluation import evaluate
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -9,7 +10,9 @@ import pytest
 
 from acc_trainer.flags import parse_config
 from acc_trainer.config import ConfigError, TrainConfig
-from conftest import BIN, check, run_cli
+from conftest import BIN, REPO, check, run_cli
+
+FLAGS = {"--" + f.name.replace("_", "-") for f in fields(TrainConfig)}
 
 
 # The default job (`python -m acc_trainer`, as the README's quick start types it) runs once, in
@@ -38,6 +41,65 @@ def test_help_documents_every_option(help_text):
     assert "--config" in text and "accelerate launch" in text
 
 
+def help_entries(text: str) -> list[list]:
+    """--help's options, in order: [the title of their group, their flags, their help text]."""
+    entries, group = [], None
+    for line in text.splitlines():
+        if re.match(r"^\S.*:$", line):  # a group's title
+            group = line[:-1]
+        elif match := re.match(r"^  (-\S.*?)(?:\s{2,}(.*))?$", line):  # an option, maybe its help's first line
+            entries.append([group, re.findall(r"--[\w-]+", match.group(1)), match.group(2) or ""])
+        elif entries and line.startswith("    "):  # more of its help
+            entries[-1][2] = f"{entries[-1][2]} {line.strip()}".strip()
+    return entries
+
+
+def docs_themes() -> dict[str, list[str]]:
+    """docs/options.md's themes, in order, with the flags each one's bullet names."""
+    text = (REPO / "docs" / "options.md").read_text()
+    bullets = re.findall(r"^- \*\*(.+?)\*\*: (.*?)(?=^- |^$)", text, flags=re.S | re.M)
+    return {theme: re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", body) for theme, body in bullets}
+
+
+def test_help_groups_the_options_as_the_docs_do(help_text):
+    """Each theme of docs/options.md is a group of --help, in the same order, with the same options."""
+    entries, themes = help_entries(help_text), docs_themes()
+    assert len(themes) == 11
+    assert [g for g in dict.fromkeys(g for g, _, _ in entries) if g != "options"] == list(themes)
+    main_flag = {flag: flags[0] for _, flags, _ in entries for flag in flags}  # --no-plots is --plots' entry
+    for theme, named in themes.items():
+        assert {main_flag.get(f, f) for f in named} == {flags[0] for g, flags, _ in entries if g == theme}, theme
+
+
+def test_every_option_shows_its_default_once(help_text):
+    """Options whose help says what their default means do not get a second "(default: None)"."""
+    shown = {flags[0]: text for _, flags, text in help_entries(help_text) if flags[0] in FLAGS}
+    assert set(shown) == FLAGS
+    assert not {flag: text for flag, text in shown.items() if text.count("(default:") != 1}
+
+
+def test_log_with_lists_the_trackers_accelerate_knows(help_text):
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    text = next(text for _, flags, text in help_entries(help_text) if flags == ["--log-with"])
+    assert [name for name in LOGGER_TYPE_TO_CLASS if name not in text] == []
+    assert "(default: None, no tracker)" in text
+
+
+def test_an_option_named_no_something_turns_it_on(tmp_path, help_text):
+    """`--no-decay-norm-bias` asks for no decay on norms and biases, as the YAML key and fit() do; its
+    opposite, to override a config file, is `--decay-norm-bias` (argparse's own would be --no-no-...)."""
+    negative = [f.name for f in fields(TrainConfig) if f.name.startswith("no_") and f.type.startswith("bool")]
+    assert negative
+    for name in negative:
+        flag = name.replace("_", "-")
+        assert getattr(parse_config([f"--{flag}"]), name) is True
+        (tmp_path / "run.yaml").write_text(f"{flag}: true\n")
+        assert getattr(parse_config(["--config", str(tmp_path / "run.yaml")]), name) is True
+        assert getattr(parse_config(["--config", str(tmp_path / "run.yaml"), f"--{flag[3:]}"]), name) is False
+    assert "--no-no-" not in help_text
+
+
 def test_yaml_config_with_flags_overriding_it(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: mlp\nbatch-size: 64\nlr: 0.01\noptimizer: sgd\nnesterov: true\n")
@@ -63,10 +125,14 @@ BAD_INPUTS = [
     (["--lr", "0"], "--lr must be positive, got 0.0"),
     (["--lr", "fast"], "invalid float value: 'fast'"),
     (["--batch-size", "100", "--grad-accum", "3"], "does not divide into --grad-accum 3"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag"], "unknown option --no-such-flag"),
+    (["--epoch", "1", "--batch", "64"], "unknown option --epoch; did you mean --epochs?"),  # never abbreviated
+    (["--batch-sise=64"], "unknown option --batch-sise; did you mean --batch-size?"),
+    (["evalute", "{tmp}/earlier"], "unknown command 'evalute'; did you mean evaluate?"),
     (["--config", "{tmp}/missing.yaml"], "missing.yaml does not exist"),
     (["--config", "{tmp}/broken.yaml"], "is not valid YAML"),
     (["--config", "{tmp}/unknown.yaml"], "unknown option 'learning_rate'"),
+    (["--config", "{tmp}/typo.yaml"], "unknown option 'batch-sise'; did you mean batch-size?"),
     (["--config", "{tmp}/wrongtype.yaml"], "option 'epochs' must be int, got 'three'"),
     (["--dataset", "imagefolder", "--data-dir", "{tmp}/nowhere"], "imagefolder needs {tmp}/nowhere/train"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nocifar"], "put the extracted 'cifar-10-batches-py' folder"),
@@ -82,6 +148,7 @@ BAD_INPUTS = [
 def _bad_input_files(tmp_path: Path) -> Path:
     (tmp_path / "broken.yaml").write_text("model: [lenet\n")
     (tmp_path / "unknown.yaml").write_text("learning_rate: 0.1\n")
+    (tmp_path / "typo.yaml").write_text("batch-sise: 64\n")
     (tmp_path / "wrongtype.yaml").write_text("epochs: three\n")
     return _existing_run(tmp_path)
 
@@ -97,6 +164,36 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, main_in_process, args,
     # Nothing already written is touched, and a failed start leaves no half-made run behind.
     assert (earlier / "model.safetensors").read_bytes() == b"weights of an earlier run"
     assert not (tmp_path / "runs").exists()
+
+
+# Each command parses its own options the same way: one line, no abbreviation, the nearest known option.
+COMMAND_TYPOS = [
+    (["check", "--step", "4"], "unknown option --step; did you mean --steps?"),
+    (["evaluate", "{tmp}/earlier", "--weight", "w.pt"], "unknown option --weight; did you mean --weights or "
+                                                          "--weight-decay?"),
+    (["predict", "{tmp}/earlier", "--eval-batch", "7"], "unknown option --eval-batch; did you mean --eval-batch-size?"),
+    (["report", "{tmp}/earlier", "--label", "a"], "unknown option --label; did you mean --labels?"),
+    # (--processes 0 would stop a bench that took --repeat for --repeats before it ran anything)
+    (["bench", "--repeat", "2", "--processes", "0"], "unknown option --repeat; did you mean --repeats?"),
+    (["check-data", "--num-worker", "2"], "unknown option --num-worker; did you mean --num-workers?"),
+]
+
+
+@pytest.mark.parametrize("args,message", COMMAND_TYPOS, ids=[" ".join(a) for a, _ in COMMAND_TYPOS])
+def test_commands_refuse_abbreviations_in_one_line(tmp_path, main_in_process, args, message):
+    _existing_run(tmp_path)
+    code, _, stderr = main_in_process(*[a.format(tmp=tmp_path) for a in args])
+    assert code == 2 and stderr == f"acc-trainer: error: {message.format(tmp=tmp_path)}\n"
+
+
+@pytest.mark.parametrize("command,options", [("evaluate", ["RUN_DIR", "--weights", "--output", "--split"]),
+                                             ("predict", ["RUN_DIR", "--weights", "--output", "--split"]),
+                                             ("check", ["--steps"])])
+def test_commands_have_their_own_help(main_in_process, command, options):
+    code, stdout, stderr = main_in_process(command, "--help")
+    assert code == 0 and stderr == "" and stdout.startswith(f"usage: acc-trainer {command} ")
+    assert all(option in stdout for option in options)
+    assert "every option of acc-trainer --help" in stdout  # and where the training options are described
 
 
 @pytest.mark.parametrize("args", [["--model", "transformer"], ["--config", "{tmp}/broken.yaml"],

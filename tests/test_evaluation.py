@@ -249,3 +249,41 @@ def test_binary_auroc_counts_ties_half_as_scikit_learn_does():
     metric = AUROC.for_outputs(scores, labels)
     metric.update(scores, labels)
     assert metric.compute(None, torch.cat(metric.rows)) == 1.0
+
+
+def test_best_means_one_thing_everywhere(tmp_path, capsys, torch_on_one_thread):
+    """With --save-best loss, the best checkpoint, summary.json, the end-of-run table and `acc-trainer report`
+    name the same evaluation, even when another metric peaks elsewhere (here an "accuracy" that falls at every
+    evaluation while the loss falls too)."""
+    from conftest import reset_accelerate
+    import acc_trainer
+    from acc_trainer.tools.report import report
+
+    calls = []
+
+    def falling(outputs, targets):
+        calls.append(1)
+        return torch.full((len(targets),), 1.0 / len(calls))
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=generator)
+    y = (x[:, 0] > 0).long()
+    data = torch.utils.data.TensorDataset(x, y)
+    reset_accelerate()
+    acc_trainer.set_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    s = acc_trainer.fit(model, data, data, metrics={"accuracy": falling}, epochs=3, batch_size=64, eval_batch_size=256,
+                        optimizer="sgd", lr=0.1, save_best="loss", progress="plain", plots=False,
+                        output_dir=str(tmp_path / "run"))
+    reset_accelerate()
+    printed = capsys.readouterr().out
+    losses = {e["step"]: e["loss"] for e in s["evals"]}
+    by_loss = min(losses, key=losses.get)
+    by_accuracy = max(s["evals"], key=lambda e: e["accuracy"])["step"]
+    assert by_loss != by_accuracy  # so "the best" of the two measures differ
+    kept = json.loads((tmp_path / "run" / "checkpoints" / "best" / "trainer_state.json").read_text())["step"]
+    assert s["best"] == {"step": by_loss, "metric": "loss", "value": losses[by_loss]} and kept == by_loss
+    row = next(line for line in printed.splitlines() if "best evaluation" in line)
+    assert f"loss {losses[by_loss]:.4g} at step {by_loss}" in row
+    table = report([tmp_path / "run"], ["run"], tmp_path / "report.png")
+    assert table.columns[8]._cells == [f"loss {losses[by_loss]:.4g} @ {by_loss}"]

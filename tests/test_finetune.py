@@ -265,6 +265,25 @@ def test_the_schedule_scales_every_group_alike():
             assert body == pytest.approx(0.1 * head), name
 
 
+def test_the_built_in_schedules_follow_torchs_own():
+    """`step` is torch's StepLR over epochs of optimizer steps, `cosine` its CosineAnnealingLR to 0 (both
+    without warmup), learning rate for learning rate over a run of 3 epochs of 5 steps."""
+    from acc_trainer.config import make_config
+    from acc_trainer.optim import build_optimizer, build_scheduler, param_groups
+
+    for name, theirs in (("step", lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2 * 5, gamma=0.3)),
+                         ("cosine", lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=15))):
+        cfg = make_config({"scheduler": name, "warmup_steps": 0, "lr_step_epochs": 2, "lr_gamma": 0.3})
+        ours = build_optimizer(cfg, param_groups(cfg, Net(4), 0.2), 0.2)
+        reference = torch.optim.SGD(Net(4).parameters(), lr=0.2)
+        schedules = build_scheduler(cfg, ours, 0.2, total_steps=15, steps_per_epoch=5), theirs(reference)
+        for step in range(15):
+            assert ours.param_groups[0]["lr"] == pytest.approx(reference.param_groups[0]["lr"], rel=1e-12), (name, step)
+            ours.step(), reference.step()
+            for schedule in schedules:
+                schedule.step()
+
+
 SCHEDULE = '''
 import torch
 

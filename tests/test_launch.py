@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from safetensors.torch import load_file
 from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import CONFIGS, check, launch, metrics, run_here, summary
@@ -47,7 +48,7 @@ def test_launched_runs_form_the_expected_group(tmp_path, launcher_args, world):
     assert s["distributed_type"] == ("MULTI_CPU" if world == 2 else "NO")
     assert s["per_process_batch_size"] == 64 // world
     assert s["eval_samples"] == 301 and s["steps"] == 12
-    assert s["ranks_agree"] is True
+    assert s["ranks_agree"] is (True if world == 2 else None)
     assert s["eval"]["accuracy"] > 0.3  # it trains: 12 steps already beat chance (0.1)
     assert all(len(r["loss_per_rank"]) == world for r in metrics(tmp_path / "run") if "loss" in r)
     # Only the main process prints: one header line, not one per process.
@@ -68,8 +69,7 @@ def test_linear_regression_learns_two_and_three(tmp_path):
     result = check(run_here("--model", "linreg", "--dataset", "linear", "--train-size", "10000", "--eval-size", "1000",
                            "--batch-size", "32", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.01",
                            "--epochs", "10", "--log-every", "100", "--output-dir", tmp_path / "run"))
-    learned = summary(tmp_path / "run")["learned"]
-    assert abs(learned["weight"] - 2) < 0.05 and abs(learned["bias"] - 3) < 0.05
-    assert f"learned weight {learned['weight']:.4f}, bias {learned['bias']:.4f}" in result.stdout
+    learned = load_file(tmp_path / "run" / "model.safetensors")  # the weights file, as a user reads it
+    assert abs(learned["linear.weight"].item() - 2) < 0.05 and abs(learned["linear.bias"].item() - 3) < 0.05
     assert summary(tmp_path / "run")["eval"]["loss"] < 0.02  # the noise variance is 0.01
     assert "accuracy" not in summary(tmp_path / "run")["eval"]

@@ -165,7 +165,8 @@ def test_a_users_script_on_one_and_two_processes_every_way_it_is_launched(projec
     for name, run in runs.items():
         s = summary(run)
         assert s["world_size"] == (1 if name == "python" else 2), name
-        assert s["eval_samples"] == 301 and s["steps"] == 16 and s["ranks_agree"], name
+        assert s["eval_samples"] == 301 and s["steps"] == 16, name
+        assert s["ranks_agree"] is (None if name == "python" else True), name  # one process: nothing to compare
         difference = max((_weights(run)[k] - reference[k]).abs().max().item() for k in reference)
         print(f"{name}: {s['world_size']} process(es), max weight difference from 1 process {difference:.1e}")
         assert difference <= 1e-5, name

@@ -69,7 +69,7 @@ def test_slurm_script_builds_the_launch_of_each_machine(tmp_path):
 
 # Gradient accumulation, clipping, AdamW with warmup and cosine: what the sharded engines must reproduce.
 SHARDED_JOB = ["--model", "mlp", "--train-size", "1024", "--eval-size", "256", "--batch-size", "64", "--epochs", "2",
-               "--max-steps", "24", "--optimizer", "adamw", "--lr", "0.003", "--warmup-steps", "4", "--schedule",
+               "--max-steps", "24", "--optimizer", "adamw", "--lr", "0.003", "--warmup-steps", "4", "--scheduler",
                "cosine", "--grad-accum", "2", "--max-grad-norm", "0.5"]
 
 
@@ -124,6 +124,8 @@ def test_fsdp_on_two_cpu_processes(tmp_path, plain_run):
     check_sharded_engine(tmp_path, plain_run, "FSDP", ["--config_file", CONFIGS / "fsdp.yaml"], "pytorch_model_fsdp_0")
     shards = tmp_path / "run" / "checkpoints" / "step-00000010" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    s = summary(tmp_path / "run")  # each weight is held once: the report says so, never a claimed agreement
+    assert s["ranks_agree"] is None and s["ranks_check"].startswith("not checked: FSDP keeps each weight once")
 
 
 def test_deepspeed_on_one_cpu_process(tmp_path, plain_run):

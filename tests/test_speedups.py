@@ -1,13 +1,20 @@
-"""The per-step work acc_trainer removes from Accelerate (acc_trainer/speedups.py) changes no result."""
+"""The per-step work acc_trainer removes from Accelerate (acc_trainer/patches.py) changes no result."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import sys
+import types
+
+import accelerate.optimizer
+import accelerate.utils.other
+import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import GradientAccumulationPlugin, extract_model_from_parallel
 from torch.overrides import TorchFunctionMode
 
-from acc_trainer import speedups
+from acc_trainer import patches
 
 
 class _Divisions(TorchFunctionMode):
@@ -20,30 +27,40 @@ class _Divisions(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _gradient(accelerator: Accelerator, backward) -> tuple[torch.Tensor, int]:
-    """The weight's gradient after `backward(accelerator, loss)`, and the divisions it made."""
+def _gradient(backward) -> tuple[torch.Tensor, int]:
+    """The weight's gradient after `backward(loss)`, and the divisions it made."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     loss = ((model(torch.randn(8, 3)) - 1) ** 2).mean()
     with _Divisions() as divisions:
-        backward(accelerator, loss)
+        backward(loss)
     return model.weight.grad.clone(), divisions.count
 
 
-def test_backward_skips_only_a_division_by_one_and_gives_the_same_gradients():
-    speedups.no_division_by_one()
-    speedups.no_division_by_one()  # applied twice: still one wrapper around Accelerate's own
-    accelerates_own = Accelerator.backward.__wrapped__
-    assert accelerates_own.__qualname__ == "Accelerator.backward" and not hasattr(accelerates_own, "__wrapped__")
+@pytest.fixture
+def accelerate_as_installed(monkeypatch):
+    """Accelerate's module attributes that the patches replace, restored after the test."""
+    for module, name in ((accelerate.optimizer, "is_lomo_available"), (accelerate.optimizer, "inspect"),
+                         (accelerate.utils.other, "is_deepspeed_available")):
+        monkeypatch.setattr(module, name, getattr(module, name))
 
+
+def test_backward_skips_only_a_division_by_one_and_gives_the_same_gradients():
     one = Accelerator(cpu=True)
-    reference, divided = _gradient(one, accelerates_own)
+    reference, divided = _gradient(one.backward)
     assert divided == 1  # Accelerate's backward: loss / 1, then loss.backward()
-    gradient, divided = _gradient(one, Accelerator.backward)
+    patches.no_division_by_one(one)
+    patches.no_division_by_one(one)  # applied twice: still one wrapper around Accelerate's own
+    assert one.backward.__func__ is patches._backward
+    gradient, divided = _gradient(one.backward)
     assert divided == 0 and torch.equal(gradient, reference)  # bit-identical, without the division
+    # Bound to that accelerator only: the class, and so every other Accelerator, runs Accelerate's own.
+    assert Accelerator.backward.__module__ == "accelerate.accelerator"
+    assert _gradient(Accelerator(cpu=True).backward)[1] == 1
     # With accumulation the loss is still divided, by Accelerate's own code.
     two = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
-    halved, divided = _gradient(two, Accelerator.backward)
+    patches.no_division_by_one(two)
+    halved, divided = _gradient(two.backward)
     assert divided == 1 and torch.equal(halved, reference / 2)
 
 
@@ -56,7 +73,45 @@ def test_someone_elses_backward_is_left_alone(monkeypatch):
         loss.backward(**kwargs)
 
     monkeypatch.setattr(Accelerator, "backward", theirs)
-    speedups.no_division_by_one()
-    assert Accelerator.backward is theirs
-    _gradient(Accelerator(cpu=True), Accelerator.backward)
+    accelerator = Accelerator(cpu=True)
+    patches.no_division_by_one(accelerator)
+    assert "backward" not in vars(accelerator)
+    _gradient(accelerator.backward)
     assert len(calls) == 1
+
+
+class _NoSetToNone(torch.optim.SGD):
+    def zero_grad(self):  # an optimizer whose zero_grad takes no set_to_none (as some third-party ones)
+        super().zero_grad(set_to_none=False)
+
+
+def test_cached_lookups_keep_each_optimizers_own_answer(accelerate_as_installed):
+    """zero_grad's signature is kept per function, not per call site: two optimizer classes with different
+    zero_grad signatures behave as with Accelerate's own lookups (gradients freed, or zeroed in place)."""
+    patches.cache_accelerate_lookups()
+    patches.cache_accelerate_lookups()
+    assert hasattr(accelerate.optimizer.is_lomo_available, "cache_info")
+    assert accelerate.optimizer.is_lomo_available() == accelerate.utils.is_lomo_available()
+    for kind, after in ((torch.optim.SGD, None), (_NoSetToNone, 0.0), (torch.optim.SGD, None)):
+        weight = torch.nn.Parameter(torch.ones(2))
+        optimizer = accelerate.optimizer.AcceleratedOptimizer(kind([weight], lr=0.5), device_placement=False)
+        (weight * 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.equal(weight.detach(), torch.zeros(2))  # 1 - 0.5 * 2
+        assert (weight.grad is None) if after is None else torch.equal(weight.grad, torch.zeros(2))
+
+
+def test_unwrapping_imports_deepspeed_only_once_something_has(accelerate_as_installed, monkeypatch):
+    own = accelerate.utils.other.is_deepspeed_available
+    patches.import_deepspeed_only_when_used()
+    patches.import_deepspeed_only_when_used()  # applied twice: one wrapper
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    model = torch.nn.Linear(2, 2)
+    assert extract_model_from_parallel(model) is model and "deepspeed" not in sys.modules
+    assert accelerate.utils.other.is_deepspeed_available() is False
+    # Once deepspeed is imported (a DeepSpeed run), Accelerate's own answer.
+    imported = types.ModuleType("deepspeed")
+    imported.__spec__ = importlib.machinery.ModuleSpec("deepspeed", None)
+    monkeypatch.setitem(sys.modules, "deepspeed", imported)
+    assert accelerate.utils.other.is_deepspeed_available() is own()

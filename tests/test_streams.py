@@ -225,6 +225,13 @@ def test_a_schedule_over_the_run_needs_its_length(tmp_path, torch_on_one_thread)
         fit(streams_data.model(), streams_data.Numbers(), scheduler="cosine", epochs=2, batch_size=12,
             output_dir=str(tmp_path / "run"), progress="none")
     reset_accelerate()
+    # The step schedule counts epochs, whose length such a stream does not say: one line, not a TypeError
+    # from inside the schedule, and nothing written.
+    with pytest.raises(ConfigError, match="--scheduler step decays every --lr-step-epochs epochs.*no __len__"):
+        fit(streams_data.model(), streams_data.Numbers(), scheduler="step", max_steps=4, batch_size=12,
+            output_dir=str(tmp_path / "step"), progress="none")
+    assert not (tmp_path / "step").exists()
+    reset_accelerate()
 
 
 def test_an_iterator_that_can_be_read_only_once_is_refused(tmp_path, torch_on_one_thread):

@@ -216,8 +216,10 @@ def test_a_parameter_the_forward_never_uses_trains_on_two_processes(project, tmp
     rows = _rows(acc_trainer_check(WithSpareHead(), *load(), steps=4, batch_size=64, optimizer="sgd", lr=0.05,
                                    output_dir=str(tmp_path)))
     assert rows["2 processes vs 1"]["result"] == "PASS" and _difference(rows["2 processes vs 1"]) <= 1e-6
-    unused = rows["every parameter gets a gradient"]
-    assert "2 never used (spare.weight, spare.bias)" in unused["measured"] and "find_unused_parameters" in unused["measured"]
+    unused = rows["every parameter gets a gradient"]  # the spare head never trains: the row fails, naming it
+    assert unused["result"] == "FAIL" and "find_unused_parameters" in unused["measured"]
+    assert "2 never trained (spare.weight, spare.bias): no gradient from the first samples and unchanged from step 2 " \
+           "to step 4" in unused["measured"]
     notes = summary(tmp_path / "two")["notes"]
     assert any("the forward never uses spare.weight, spare.bias" in n and "find_unused_parameters" in n for n in notes)
     assert summary(tmp_path / "base")["unused_parameters"] == ["spare.weight", "spare.bias"]

@@ -5,9 +5,9 @@
     topology_probe.run_jobs(JOBS, OUT_DIR)                                 (1 process: the test's own)
 
 One launch runs many jobs because starting processes costs more than these small jobs. Jobs:
-  train:     acc_trainer.loop.train(options); the run folder is OUT_DIR/<name>
+  train:     acc_trainer.api.train(options); the run folder is OUT_DIR/<name>
   order:     which sample indices every optimizer step of the training loader sees, over 2 epochs
-  eval:      acc_trainer.loop.evaluate over eval sets of several sizes and batch sizes, with metrics with state
+  eval:      acc_trainer.evaluation.evaluate over eval sets of several sizes and batch sizes, with metrics with state
   allreduce: a train job that also counts DDP's gradient all-reduces (bucket hooks)
   disagree:  the trainer's rank-agreement check on weights changed on process 1 only
 The main process writes OUT_DIR/<name>.json for the jobs other than train.
@@ -32,8 +32,9 @@ from acc_trainer.data import Data
 from acc_trainer.losses import cross_entropy
 from acc_trainer.metrics import AUROC, F1, METRICS, Confusion, Precision, Recall
 from acc_trainer.loaders import build_loaders, dataloader_config
-from acc_trainer.loop import evaluate, train
-from acc_trainer.processes import check_ranks_agree
+from acc_trainer.api import train
+from acc_trainer.evaluation import evaluate
+from acc_trainer.processes import ranks_agree
 
 
 def fresh_state() -> None:
@@ -96,20 +97,16 @@ def stateful_metrics(classes: int) -> dict:
 
 
 def run_disagree(job: dict) -> dict:
-    """The trainer's rank check, on weights that differ on one process only."""
+    """The trainer's report of the processes' weights (summary.json's ranks_agree), on weights that differ on
+    one process only, as DDP-wrapped models are at the end of a run."""
     accelerator = Accelerator(cpu=True)
     cfg = make_config({"model": "mlp"})
-    model = build_model(cfg, build_data(cfg))
-    same = check_ranks_agree(accelerator, model, "initial")
+    model = accelerator.prepare(build_model(cfg, build_data(cfg)))
+    same = ranks_agree(accelerator, model)
     if accelerator.process_index == 1:
         with torch.no_grad():
-            model.fc2.bias[0] += 1e-6
-    try:
-        check_ranks_agree(accelerator, model, "initial")
-        caught = None
-    except RuntimeError as e:
-        caught = str(e)
-    return {"same": same, "caught": caught}
+            accelerator.unwrap_model(model).fc2.bias[0] += 1e-6
+    return {"same": same, "different": ranks_agree(accelerator, model)}
 
 
 def run_allreduce(job: dict, out: Path) -> dict:

@@ -32,7 +32,7 @@ from ..config import TrainConfig
 from ..data import InMemory, PerSample
 from ..measure import peak_memory_mb
 from ..optim import build_optimizer
-from ..speedups import keep_freed_memory
+from ..patches import keep_freed_memory
 
 
 def run(loop: str, cfg: TrainConfig, steps: int) -> dict:

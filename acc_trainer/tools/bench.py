@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..flags import Parser, parse_config
+from ..flags import Parser, add_training_options, config_from
 from ..config import ConfigError, TrainConfig
 from ..progress import make_console
 
@@ -34,8 +34,7 @@ PIPELINES = ("batched", "per-sample", "stream")
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="acc-trainer bench",
-        description="Measure acc_trainer against hand-written loops on 1 and N processes. Any training option "
-                    "(--model, --dataset, --batch-size, --mixed-precision, ...) sets the workload.",
+        description="Measure acc_trainer against hand-written loops on 1 and N processes.",
     )
     parser.add_argument("--processes", default="1,2", help="process counts to run, e.g. 1,2 (default: 1,2)")
     parser.add_argument("--baselines", default="raw,raw-ddp,dp,ceiling",
@@ -54,12 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "many (start-up cancels out): samples/s from the difference, in column 'whole process'")
     parser.add_argument("--bench-dir", help="where bench.json, bench.md and the figures go "
                                             "(default: runs/bench-<time>-<model>-<dataset>)")
+    add_training_options(parser, "every option of acc-trainer --help (--model, --dataset, --batch-size, "
+                                 "--mixed-precision, ...) sets the workload; --output-dir is --bench-dir")
     return parser
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
-    args, rest = build_parser().parse_known_args(argv)
-    cfg = parse_config(rest)
+    args = build_parser().parse_args(argv)
+    cfg = config_from(args)
     if cfg.output_dir is not None:  # each measured run gets a folder of its own: --output-dir names the bench's
         if args.bench_dir is not None:
             raise ConfigError("give the bench's folder once: --bench-dir or --output-dir, not both")
@@ -231,8 +232,9 @@ def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder:
     if kind in PIPELINE:
         cfg = replace(cfg, data_pipeline=PIPELINE[kind]) if PIPELINE[kind] != "stream" else cfg
         run_dir = folder / f"acc_trainer-{processes}p-{time.time_ns()}"
-        args = ["-m", "acc_trainer", *_options(cfg), "--max-steps", str(steps), "--output-dir", str(run_dir),
-                "--progress", "none"]
+        # With the display the options ask for (default auto: plain lines into this pipe, as into a log file):
+        # a user's run pays for it too.
+        args = ["-m", "acc_trainer", *_options(cfg), "--max-steps", str(steps), "--output-dir", str(run_dir)]
         if processes == 1:
             cmd = python + args
         else:

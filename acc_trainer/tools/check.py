@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import socket
 import tempfile
 import traceback
@@ -45,7 +46,7 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate
     """Checks a user's workload, given as to `fit`. Prints the table; returns its rows (dicts with
     check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed)."""
     from ..components import from_objects
-    from ..loop import fit_config
+    from ..api import fit_config
 
     cfg = replace(fit_config(model, train_data, config, options, collate_fn, forward), output_dir=None)
     # One thread per process: this process may have run OpenMP work already (building the data, say),
@@ -128,7 +129,8 @@ class Checker:
             has_bn = _has_batchnorm(self.folder / "base")
             synced = self.job("two_sync_bn", world=self.world, sync_bn=True) if has_bn and not self.cfg.sync_bn \
                 else None
-            rows = rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, self.cfg, half, self.world)
+            rows = rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, self.cfg, half, self.world,
+                            self.folder)
         finally:
             if not self.keep:
                 shutil.rmtree(self.folder, ignore_errors=True)
@@ -186,10 +188,8 @@ def _recorder(record: dict):
     the call drew from torch's global random number generators (dropout, torch.rand)."""
     state = {}
 
-    from .. import components
-
     def before(module, args, kwargs):
-        if not module.training or components.first_sample_check:
+        if not module.training or not _in_training_steps():
             return
         rows = _sample_rows([*args, *kwargs.values()])
         if rows is not None:
@@ -197,10 +197,23 @@ def _recorder(record: dict):
         state["rng"] = _rng_states()
 
     def after(module, args, output):
-        if module.training and not components.first_sample_check and "rng" in state and not record["draws"]:
+        if module.training and _in_training_steps() and "rng" in state and not record["draws"]:
             record["draws"] = any(not torch.equal(a, b) for a, b in zip(state["rng"], _rng_states()))
 
     return before, after
+
+
+def _in_training_steps() -> bool:
+    """Whether the model is called by the loop's training steps (loop.train_epoch is on the stack), not by the
+    checks at start (components.check_fit) or the FLOP count, which pass the first samples through it."""
+    from ..loop import train_epoch
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is train_epoch.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _sample_rows(values: list) -> list[torch.Tensor] | None:
@@ -251,12 +264,12 @@ def max_difference(a: dict, b: dict) -> float:
                default=0.0)
 
 
-def rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, cfg, half, world) -> list[dict]:
+def rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, cfg, half, world, folder: Path) -> list[dict]:
     """The table's rows: topology and accumulation against the 1-process run, the samples, the
     evaluation counts, the resume, determinism and BatchNorm."""
     return [*_equivalence_rows(base, nudged, accum, two, has_bn, cfg, world), _samples_row(base, two, world),
             _evaluation_row(base, two, world), _resume_row(base, resumed, half), _determinism_row(base, again),
-            _unused_row(base, world),
+            _unused_row(base, world, folder, half),
             *_batchnorm_rows(base, two, synced, has_bn, cfg, world)]
 
 
@@ -312,15 +325,31 @@ def _all_samples(job: dict) -> list:
     return sorted(sample for call in job["samples"] for sample in call)
 
 
-def _unused_row(base: dict, world: int) -> dict:
+def _unused_row(base: dict, world: int, folder: Path, half: int) -> dict:
+    """Parameters the first samples leave without a gradient, measured over the run: those still unchanged
+    between the half-way checkpoint and the end never trained (a layer the forward never calls); those that
+    changed are used by some batches only (a conditional branch), which trains."""
+    from safetensors.torch import load_file
+
     name = "every parameter gets a gradient"
     unused = base["summary"].get("unused_parameters") or []
     if not unused:
         return row(name, PASS, "all parameters used by the first samples' backward pass", "")
-    shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
-    return row(name, PASS, f"{len(unused)} never used ({shown}); {world} processes train with DDP's "
-                           "find_unused_parameters", "a layer the forward never calls",
+    halfway = load_file(folder / "base" / "checkpoints" / f"step-{half:08d}" / "model.safetensors")
+    final = base["weights"]
+    still = [n for n in unused if n in halfway and n in final and torch.equal(halfway[n], final[n])]
+    ddp = f"; {world} processes train with DDP's find_unused_parameters"
+    if not still:
+        return row(name, PASS, f"{len(unused)} without a gradient from the first samples ({_names(unused)}) but "
+                               f"trained later (used by some batches only){ddp}", "")
+    return row(name, FAIL, f"{len(still)} never trained ({_names(still)}): no gradient from the first samples and "
+                           f"unchanged from step {half} to step {base['summary']['steps']}{ddp}",
+               "a layer the forward never calls",
                "remove it, or freeze it (requires_grad=False), to train without find_unused_parameters")
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _samples_row(base, two, world) -> dict:
@@ -408,20 +437,18 @@ def table(rows: list[dict]):
 
 def main(argv: list[str]) -> None:
     """`acc-trainer check [--steps N] [training options]`: exit 1 when a check fails."""
-    import sys
+    from ..flags import Parser, add_training_options, config_from
 
-    from ..flags import parse_config
-
-    steps = 8
-    if "--steps" in argv:
-        i = argv.index("--steps")
-        try:
-            steps = int(argv[i + 1])
-        except (IndexError, ValueError):
-            raise ConfigError("--steps takes a whole number") from None
-        argv = argv[:i] + argv[i + 2:]
-    cfg = parse_config(argv)
+    parser = Parser(prog="acc-trainer check", description="Run short versions of the job and print one row per "
+                    "guarantee (2 processes vs 1, accumulation, samples, evaluation counts, resume, determinism); "
+                    "exit 1 when one fails.")
+    parser.add_argument("--steps", type=int, default=8, metavar="N",
+                        help="optimizer steps of each short run, at least 2 (default: 8)")
+    add_training_options(parser, "every option of acc-trainer --help: the job to check (--output-dir keeps the "
+                                 "runs' folders)")
+    args = parser.parse_args(argv)
+    cfg = config_from(args)
     output_dir, cfg = cfg.output_dir, replace(cfg, output_dir=None)
-    rows = Checker(cfg, _named_workload, steps, output_dir).run()
+    rows = Checker(cfg, _named_workload, args.steps, output_dir).run()
     if any(r["result"] == FAIL for r in rows):
         sys.exit(1)

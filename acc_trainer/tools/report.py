@@ -17,7 +17,7 @@ from ..flags import Parser
 from ..config import ConfigError
 from ..plots import read_metrics
 from .figures import plot_comparison
-from ..progress import best_evaluation, format_metric, make_console
+from ..progress import format_metric, make_console
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,11 +76,11 @@ def report(runs: list[Path], labels: list[str], output: Path, console: Console |
 
 
 def _best(summary: dict) -> str:
-    best = best_evaluation(summary.get("evals") or [])
-    if best is None:
+    """The run's best evaluation by its own measure (summary.json's `best`, as --save-best keeps it)."""
+    best = summary.get("best")
+    if not best:
         return "-"
-    value = f"{best['accuracy']:.2%}" if "accuracy" in best else f"{best['loss']:.4f}" if "loss" in best else "-"
-    return f"{value} @ {best['step']}"
+    return f"{format_metric(best['metric'], best['value'])} @ {best['step']}"
 
 
 def main(argv: list[str]) -> None:
