@@ -44,7 +44,8 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     for name, given, kind in (("optimizer", optimizer, torch.optim.Optimizer),
                               ("scheduler", scheduler, torch.optim.lr_scheduler.LRScheduler)):
         if isinstance(given, kind):
-            raise ConfigError(f"fit: {name}= takes a name or a factory ({'factory(param_groups)' if name == 'optimizer' else 'factory(optimizer, total_steps)'}), "
+            factory = "factory(param_groups)" if name == "optimizer" else "factory(optimizer, total_steps)"
+            raise ConfigError(f"fit: {name}= takes a name or a {factory}, "
                               f"not a {type(given).__name__} object: the trainer builds the parameter groups")
         if isinstance(given, str):
             options[name] = given

@@ -104,7 +104,8 @@ class TrainConfig:
     # Augmentation (training only; each sample's is a function of --seed, the epoch and its index).
     augment: str = _opt(
         "auto", "none; standard: random crop (4 px padding) + flip, RandomResizedCrop + flip for imagefolder; "
-        "trivialaugment: standard + TrivialAugmentWide; auto: standard for cifar10/cifar100, else none (imagefolder and your own data opt in)",
+        "trivialaugment: standard + TrivialAugmentWide; auto: standard for cifar10/cifar100, else none (imagefolder and your "
+        "own data opt in)",
         choices=AUGMENTS)
     mixup: float = _opt(0.0, "mix each training image with a partner sample, weight ~ Beta(A, A) (torchvision's "
                              "reference: 0.2); 0: off", metavar="A")

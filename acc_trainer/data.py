@@ -37,7 +37,7 @@ class Data:
     num_classes: int | None  # None for regression, or when the dataset does not say
     input_shape: tuple[int, ...] | None  # of one sample, e.g. (3, 32, 32) or (1,); None for dict samples
     raw: RawImages | None = None  # for augmentation; None: the training set cannot be augmented
-    heads: Heads = field(default_factory=lambda: Heads())  # the first samples of its streams, read once
+    heads: Heads = field(default_factory=lambda: Heads(), compare=False, repr=False)  # its streams' first samples
 
 
 class Heads:

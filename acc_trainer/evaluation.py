@@ -57,12 +57,15 @@ def real_samples(accelerator: Accelerator, size: int) -> int:
     return int((accelerator.gather_for_metrics(owner) == accelerator.process_index).sum())
 
 
-def everyones(accelerator: Accelerator, values, real: int):
+def everyones(accelerator: Accelerator, values, real: int, even: bool = False):
     """The first `real` values of this batch (a tensor, or a list or dict of them) of every process, in process
-    order, on every process: the whole global batch's real samples, in the dataset's order."""
+    order, on every process: the whole global batch's real samples, in the dataset's order. `even`: every
+    process holds as many (a batch before a loader's last), so a tensor needs one gather."""
     mine = _first(values, real)
     if accelerator.num_processes == 1:
         return mine
+    if isinstance(mine, torch.Tensor) and mine.dim() and even:
+        return accelerator.gather(mine.contiguous().to(accelerator.device))
     if isinstance(mine, torch.Tensor) and mine.dim():  # padded to the longest share, then cut back
         lengths = accelerator.gather(torch.tensor([len(mine)], device=accelerator.device)).tolist()
         padded = accelerator.pad_across_processes(mine.contiguous().to(accelerator.device), dim=0)

@@ -36,7 +36,7 @@ from . import evaluation
 from .evaluation import everyones, format_results, real_batches, stream_faults, unreadable_everywhere
 from .loaders import evaluation_loader, stream_evaluation
 from .losses import forward, predictions
-from .setup import accelerator_for
+from .setup import accelerator_for, training_loss
 
 FORMATS = (".jsonl", ".csv", ".npz")
 
@@ -93,9 +93,10 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset, group: proces
 def _evaluate(cfg: TrainConfig, job: components.Workload, dataset, group: processes.Group | None = None) -> dict:
     checked = components.check_fit(job)
     accelerator, model, loader = _prepared(cfg, job, dataset, group)
+    loss = training_loss(cfg, checked) if checked.eval_loss else None  # as the run evaluated (--label-smoothing)
     with stream_faults(str):
-        results = evaluation.evaluate(accelerator, model, loader, checked.loss if checked.eval_loss else None,
-                           checked.metrics, guarded=reads_files(dataset), forward_fn=job.forward, tables=checked.tables)
+        results = evaluation.evaluate(accelerator, model, loader, loss, checked.metrics, guarded=reads_files(dataset), forward_fn=job.forward,
+                                      tables=checked.tables)
     if results.pop("unreadable", None):
         raise ConfigError("some samples cannot be read; acc-trainer check-data lists them")
     return results
@@ -120,7 +121,8 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
                 unreadable += bad
                 outputs, _ = (job.forward or forward)(model, batch)
                 # every process's real outputs, in process order: the global batch's, in the dataset's order
-                batch_rows = _rows(everyones(accelerator, _per_sample(outputs), real), index)
+                even = not is_stream(dataset) and not accelerator.gradient_state.end_of_dataloader
+                batch_rows = _rows(everyones(accelerator, _per_sample(outputs), real, even), index)
                 if output is not None and index == 0:
                     check_rows(batch_rows, output)  # on every process: none is left waiting for the main one
                 index += len(batch_rows)

@@ -117,7 +117,8 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
     """The optimizer steps of epoch `r.epoch` (what is left of it, when resuming mid-epoch)."""
     cfg, accelerator, state, clock = r.cfg, r.accelerator, r.state, r.clock
     model, optimizer, input_dtype = r.trained.model, r.trained.optimizer, r.trained.input_dtype
-    loss_fn, forward_fn, items, item_scale = r.scoring.loss_fn, r.job.forward, r.scoring.checked.items, r.scoring.checked.item_scale
+    loss_fn, forward_fn, checked = r.scoring.loss_fn, r.job.forward, r.scoring.checked
+    items, item_scale = checked.items, checked.item_scale
     guarded, channels_last = reads_files(r.job.data.train), cfg.channels_last
     model.train()
     if _frozen_now(r):

@@ -78,7 +78,8 @@ def check_same_data(accelerator: Accelerator, data: Data) -> None:
     from .streams import fingerprint, first
 
     if is_stream(data.train) or is_stream(data.eval):  # the first samples' fingerprint: a stream split by process differs
-        rows = [fingerprint(first(d, 4, heads=data.heads)) if is_stream(d) else [float(len(d)), 0.0] if d is not None else [-1.0, 0.0]
+        rows = [fingerprint(first(d, 4, heads=data.heads)) if is_stream(d) else
+                [float(len(d)), 0.0] if d is not None else [-1.0, 0.0]
                 for d in (data.train, data.eval)]
         everywhere = accelerator.gather(torch.tensor([sum(rows, [])], dtype=torch.float64,
                                                      device=accelerator.device)).tolist()

@@ -17,6 +17,9 @@ def make_console() -> Console:
     return console
 
 
+REFRESH_PER_SECOND = 4
+
+
 class Progress:
     """Shows epoch and step progress with the latest loss, LR and samples/s.
 
@@ -24,8 +27,6 @@ class Progress:
     times a second (a call into rich per step, and a redraw 10 times a second, cost the 2-parameter
     regression about a tenth of its speed), and a plain line is written as it is (rich's print of one
     line takes 50-200 us)."""
-
-    REFRESH_PER_SECOND = 4
 
     def __init__(self, mode: str, enabled: bool, total_steps: int, epochs: int, steps_per_epoch: int):
         self.console = make_console()
@@ -35,21 +36,7 @@ class Progress:
         self.steps = 0  # of the run, done
         self.epoch_first_step = 0  # the run's step when this epoch began
         self.stats = ""
-        self._bars = None
-        if self.live:
-            self._bars = _Bars(
-                self,
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[stats]}"),
-                console=self.console,
-                refresh_per_second=self.REFRESH_PER_SECOND,
-            )
-            self._run = self._bars.add_task("steps", total=total_steps, stats="")
-            self._epoch = self._bars.add_task("epoch 1", total=_least(steps_per_epoch, total_steps), stats="")
+        self._bars = _Bars(self, total_steps, _least(steps_per_epoch, total_steps)) if self.live else None
 
     def __enter__(self) -> "Progress":
         if self._bars is not None:
@@ -71,14 +58,14 @@ class Progress:
         self.steps, self.epoch_first_step = first_step + done, first_step
         if self._bars is not None:
             remaining = self.total_steps - first_step if self.total_steps is not None else None
-            self._bars.reset(self._epoch, total=_least(self.steps_per_epoch, remaining), completed=done,
+            self._bars.reset(self._bars.epoch, total=_least(self.steps_per_epoch, remaining), completed=done,
                              description=f"epoch {epoch + 1}")
 
     def learnt(self, total_steps: int, steps_per_epoch: int, epochs: int) -> None:
         """A stream's first epoch has ended: the run's length is known."""
         self.total_steps, self.steps_per_epoch, self.epochs = total_steps, steps_per_epoch, epochs
         if self._bars is not None:
-            self._bars.update(self._run, total=total_steps)
+            self._bars.update(self._bars.run, total=total_steps)
 
     def step(self) -> None:
         self.steps += 1
@@ -91,17 +78,22 @@ class Progress:
 
 
 class _Bars(RichProgress):
-    """rich's bars, brought up to the loop's counts each time rich redraws them (rich's own extension point)."""
+    """rich's bars of the run and of its epoch, brought up to the loop's counts whenever rich draws them."""
 
-    def __init__(self, progress: Progress, *columns, **options):
-        super().__init__(*columns, **options)
+    def __init__(self, progress: Progress, total_steps: int | None, epoch_steps: int | None):
         self.progress = progress
+        super().__init__(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                         TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=progress.console,
+                         refresh_per_second=REFRESH_PER_SECOND)
+        self.run = self.add_task("steps", total=total_steps, stats="")
+        self.epoch = self.add_task("epoch 1", total=epoch_steps, stats="")
 
     def get_renderables(self):
-        p = self.progress
-        steps = p.steps  # read once: the loop goes on meanwhile
-        self.update(p._run, completed=steps, stats=p.stats)
-        self.update(p._epoch, completed=steps - p.epoch_first_step)
+        if self.task_ids:  # rich draws once in its constructor, before the tasks exist
+            p = self.progress
+            steps = p.steps  # read once: the loop goes on meanwhile
+            self.update(self.run, completed=steps, stats=p.stats)
+            self.update(self.epoch, completed=steps - p.epoch_first_step)
         yield from super().get_renderables()
 
 

@@ -217,9 +217,9 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
 def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, ddp: list | None = None) -> Accelerator:
     """The Accelerator of a run, or of `evaluate`/`predict` (no folder: no trackers, no compilation): the
     precision, the loaders' configuration, the process group's timeout, and the engine set up (engines.py)."""
-    if torch.cuda.is_available():  # TF32 tensor cores for float32 matmuls and convolutions (Ampere on)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     training = folder is not None
+    if torch.cuda.is_available() and training:  # TF32 tensor cores for float32 matmuls and convolutions (Ampere on)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
     accelerator = Accelerator(
         cpu=group.cpu,
         mixed_precision=cfg.mixed_precision,  # None: the accelerate config's choice, else "no"
@@ -302,8 +302,8 @@ def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: s
                           "collate function")
     if cfg.ema and engine != "DDP":
         raise ConfigError(f"--ema needs the whole model on every process; with {engine} each holds a shard")
-    loss_fn = _cross_entropy_options(cfg, checked, augment)
-    scoring = Scoring(loss_fn, loss_fn if checked.eval_loss else None, checked.metrics, checked)
+    loss_fn = training_loss(cfg, checked, augment)
+    scoring = Scoring(loss_fn, training_loss(cfg, checked) if checked.eval_loss else None, checked.metrics, checked)
     return model, scoring, augment
 
 
@@ -408,8 +408,9 @@ def _announce(r: Run) -> None:
         r.output.progress.print(note)
 
 
-def _cross_entropy_options(cfg: TrainConfig, checked: Checked, augment) -> Callable:
-    """--label-smoothing, and the class probabilities of mixup and cutmix, are cross-entropy's."""
+def training_loss(cfg: TrainConfig, checked: Checked, augment=None) -> Callable:
+    """The loss the run trains with: --label-smoothing, and the class probabilities of mixup and cutmix (with
+    `augment`), are cross-entropy's. Evaluation (the run's, and `evaluate` on it) uses it without `augment`."""
     if not (cfg.label_smoothing or (augment and augment.mixes)):
         return checked.loss
     if checked.fn is not cross_entropy:

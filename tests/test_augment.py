@@ -298,7 +298,8 @@ def test_augmentation_helps_a_small_training_set(monkeypatch, tmp_path):
     from shapes import load
 
     # Drawn once into tensors (a plain TensorDataset: the batched path) rather than per sample every epoch.
-    train, evaluation = (TensorDataset(*map(torch.stack, zip(*[(x, torch.tensor(y)) for x, y in map(part.__getitem__, range(len(part)))])))
+    train, evaluation = (TensorDataset(*map(torch.stack, zip(*[(x, torch.tensor(y))
+                                                                for x, y in map(part.__getitem__, range(len(part)))])))
                          for part in load(train_size=256, eval_size=1000))
     results = {}
     for augment in ("none", "standard"):

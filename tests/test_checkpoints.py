@@ -235,7 +235,8 @@ def test_resume_errors_on_the_command_line(saved_run, tmp_path, main_in_process)
     assert (saved_run / "metrics.jsonl").read_text() == before  # nothing written is lost or changed
     # And as the shell sees it: exit code 2, one line.
     result = run_cli("--resume", tmp_path / "nowhere", cwd=tmp_path)
-    assert result.returncode == 2 and result.stderr == f"acc-trainer: error: --resume {tmp_path}/nowhere: no such checkpoint folder\n"
+    assert result.returncode == 2
+    assert result.stderr == f"acc-trainer: error: --resume {tmp_path}/nowhere: no such checkpoint folder\n"
 
 
 def test_a_hung_process_fails_the_others_within_the_timeout(tmp_path):

@@ -64,8 +64,9 @@ def test_early_stop_naming_a_metric_the_run_does_not_compute_is_one_line(tmp_pat
 
 # ----------------------------------------------------------------------------------------- evaluate and predict
 
+# Label smoothing: `evaluate` on the run scores with the loss the run evaluated with.
 RUN = ["--model", "mlp", "--dataset", "synthetic", "--train-size", "512", "--eval-size", "101", "--batch-size", "64",
-       "--epochs", "2", "--metrics", "accuracy,f1,auroc,precision,recall", "--progress", "none"]
+       "--epochs", "2", "--metrics", "accuracy,f1,auroc,precision,recall", "--progress", "none", "--label-smoothing", "0.1"]
 API = '''
 import json, sys
 from pathlib import Path

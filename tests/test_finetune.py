@@ -63,7 +63,8 @@ def test_init_from_a_run_resets_the_head_of_another_size_and_says_so(pretrained,
     s = fit(Net(4), task(4, 64, 3), task(4, 128, 4), tmp_path / "run", epochs=1, init_from=str(pretrained))
     init = s["init"]
     assert init["from"] == str(pretrained) and init["reset"] == ["head.bias", "head.weight"]
-    assert init["missing"] == [] and init["unexpected"] == [] and init["loaded"] == 9  # 2 Linear layers, BatchNorm (2 + 3 buffers)
+    # 2 Linear layers, BatchNorm (2 + 3 buffers)
+    assert init["missing"] == [] and init["unexpected"] == [] and init["loaded"] == 9
     assert any(note.startswith(f"init from {pretrained}: 9 tensors loaded, 2 reset (head.bias, head.weight)")
                for note in s["notes"])
 

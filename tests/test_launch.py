@@ -66,7 +66,7 @@ def test_batch_that_does_not_split_over_processes(tmp_path):
 
 def test_linear_regression_learns_two_and_three(tmp_path):
     """y = 2x + 3 + noise, 10,000 samples, batch 32, SGD lr 0.01, 10 epochs (one process: run in this one)."""
-    result = check(run_here("--model", "linreg", "--dataset", "linear", "--train-size", "10000", "--eval-size", "1000",
+    check(run_here("--model", "linreg", "--dataset", "linear", "--train-size", "10000", "--eval-size", "1000",
                            "--batch-size", "32", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.01",
                            "--epochs", "10", "--log-every", "100", "--output-dir", tmp_path / "run"))
     learned = load_file(tmp_path / "run" / "model.safetensors")  # the weights file, as a user reads it

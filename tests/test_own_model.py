@@ -96,7 +96,8 @@ def test_fit_refuses_what_it_cannot_use(fit, project):
         fit(Net(4), *load(), learning_rate=0.1)
     with pytest.raises(ConfigError, match="fit: model must be a torch.nn.Module, not function"):
         fit(load, *load())
-    with pytest.raises(ConfigError, match=r"loss mse does not fit the outputs of my_model:Net \(\[2, 4\] float32\) and targets \(\[2\] int64\): "
+    with pytest.raises(ConfigError, match=r"loss mse does not fit the outputs of my_model:Net "
+                                          r"\(\[2, 4\] float32\) and targets \(\[2\] int64\): "
                        r"ValueError: predictions \[2, 4\] and targets \[2\] differ in shape"):
         fit(Net(4), *load(), loss="mse", output_dir=str(project / "never"))
     assert not (project / "never").exists()

@@ -203,11 +203,14 @@ def _recorder(record: dict):
     return before, after
 
 
+@torch.compiler.disable  # a stack walk: not something --compile's graphs can hold
 def _in_training_steps() -> bool:
     """Whether the model is called by the loop's training steps (loop.train_epoch is on the stack), not by the
     checks at start (components.check_fit) or the FLOP count, which pass the first samples through it."""
     from ..loop import train_epoch
 
+    # sys._getframe (CPython's frame access, documented as implementation-specific): the recorder asks where
+    # it is called from instead of the core setting a flag for it.
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code is train_epoch.__code__:
@@ -335,10 +338,16 @@ def _unused_row(base: dict, world: int, folder: Path, half: int) -> dict:
     unused = base["summary"].get("unused_parameters") or []
     if not unused:
         return row(name, PASS, "all parameters used by the first samples' backward pass", "")
-    halfway = load_file(folder / "base" / "checkpoints" / f"step-{half:08d}" / "model.safetensors")
+    # A compiled model's checkpoint names its weights through the compile wrapper (`_orig_mod.`).
+    halfway = {k.removeprefix("_orig_mod."): v for k, v in
+               load_file(folder / "base" / "checkpoints" / f"step-{half:08d}" / "model.safetensors").items()}
     final = base["weights"]
-    still = [n for n in unused if n in halfway and n in final and torch.equal(halfway[n], final[n])]
+    unknown = [n for n in unused if n not in halfway or n not in final]  # tied weights are stored once
+    still = [n for n in unused if n not in unknown and torch.equal(halfway[n], final[n])]
     ddp = f"; {world} processes train with DDP's find_unused_parameters"
+    if unknown and not still:
+        return row(name, SKIPPED, f"{len(unused)} without a gradient from the first samples ({_names(unused)}); "
+                                  f"{_names(unknown)} could not be compared (not in the saved files by that name){ddp}", "")
     if not still:
         return row(name, PASS, f"{len(unused)} without a gradient from the first samples ({_names(unused)}) but "
                                f"trained later (used by some batches only){ddp}", "")

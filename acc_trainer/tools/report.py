@@ -17,6 +17,7 @@ from ..flags import Parser
 from ..config import ConfigError
 from ..plots import read_metrics
 from .figures import plot_comparison
+from ..metrics import best_evaluation, ranked_by
 from ..progress import format_metric, make_console
 
 
@@ -78,6 +79,11 @@ def report(runs: list[Path], labels: list[str], output: Path, console: Console |
 def _best(summary: dict) -> str:
     """The run's best evaluation by its own measure (summary.json's `best`, as --save-best keeps it)."""
     best = summary.get("best")
+    evals = summary.get("evals") or []
+    if not best and evals:  # a summary written before `best` was always filled in
+        metric = ranked_by(evals)
+        found = best_evaluation(evals, metric) if metric else None
+        best = {"step": found["step"], "metric": metric, "value": found[metric]} if found else None
     if not best:
         return "-"
     return f"{format_metric(best['metric'], best['value'])} @ {best['step']}"
