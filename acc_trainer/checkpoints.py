@@ -124,14 +124,17 @@ def complete_checkpoints(folder: Path) -> list[Path]:
 
 
 def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
-    """The checkpoint `--resume` names: `auto` is the newest complete one in the run's folder."""
+    """The checkpoint `--resume` names: `auto` is the newest complete one in the run's folder, or none (the run
+    starts from its beginning: the same command serves a first attempt and every restart), unless the folder
+    holds a finished run with nothing to continue from."""
     if cfg.resume is None:
         return None
     if cfg.resume == "auto":
         found = complete_checkpoints(out / "checkpoints")
-        if not found:
-            raise ConfigError(f"--resume auto: no complete checkpoint in {out / 'checkpoints'}")
-        return found[-1]
+        if not found and (out / "summary.json").exists():
+            raise ConfigError(f"--resume auto: {out} holds a finished run and no checkpoint to continue it from; "
+                              "choose a new --output-dir")
+        return found[-1] if found else None
     path = Path(cfg.resume)
     if not path.is_dir():
         raise ConfigError(f"--resume {path}: no such checkpoint folder")

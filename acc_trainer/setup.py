@@ -206,6 +206,9 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
         state.load(origin.resumed, accelerator.process_index, world)
         notes += checkpoints.elastic_note(origin.resumed["world_size"], world)
     shape.start_step = state.step
+    if cfg.resume == "auto" and not origin.resume:
+        notes.append(f"--resume auto: no checkpoint in {origin.folder / 'checkpoints'} yet: the run starts from its "
+                     "beginning")
     job.data.heads.clear()  # the first samples read for the checks at start (up to a global batch) are not kept
     output = _output(cfg, accelerator, origin, state, shape)
     r = Run(cfg, job, accelerator, group.engine, trained, scoring, Loaders(train_loader, eval_loader, augment), shape,
@@ -259,9 +262,12 @@ def _placement(accelerator: Accelerator, train_loader, eval_loader) -> list | No
 
 def _output(cfg: TrainConfig, accelerator: Accelerator, origin: _Origin, state: RunState, shape: Shape) -> Output:
     """Startup succeeded: only now does the run write anything (the folder locked, its config, the trackers)."""
-    processes.main_decides(lambda: lock_run_folder(origin.folder, origin.resume is not None))
+    # --resume auto with no checkpoint yet: an earlier attempt's files (stopped before its first checkpoint) are
+    # replaced, from step 0 on.
+    again = cfg.resume == "auto"
+    processes.main_decides(lambda: lock_run_folder(origin.folder, origin.resume is not None or again))
     files = RunFiles(origin.folder, enabled=accelerator.is_main_process,
-                     resumed_step=state.step if origin.resumed else None)
+                     resumed_step=state.step if origin.resumed or again else None)
     files.write_config(cfg)
     saver = Checkpoints(accelerator, origin.folder / "checkpoints", cfg.keep_last)
     saver.last = origin.resume

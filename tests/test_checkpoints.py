@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import os
 import signal
 import subprocess
@@ -183,8 +184,6 @@ def saved_run(tmp_path_factory):
 
 
 def _damage(run, tmp_path, how):
-    import shutil
-
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     checkpoint = copy / "checkpoints" / "step-00000002"
@@ -221,11 +220,38 @@ def test_a_checkpoint_of_another_run_is_refused(saved_run, train_in_process):
         train_in_process(model="lenet", train_size=256, eval_size=64, batch_size=32, epochs=1, resume=str(checkpoint))
 
 
+def test_the_same_command_starts_a_run_and_continues_it(tmp_path, main_in_process):
+    """`--resume auto` serves the first attempt and every restart (a cluster's requeue runs one command line): on
+    a folder without a checkpoint it starts from the beginning, saying so, over what an attempt stopped before its
+    first checkpoint left; with a checkpoint it continues, and ends as the uninterrupted run does."""
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    job = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--epochs", "2",
+           "--checkpoint-every", "4", "--no-plots", "--progress", "plain"]
+    assert main_in_process(*job, "--output-dir", whole)[0] == 0
+    out.mkdir()  # an earlier attempt that died before its first checkpoint: its lines must not stay
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 9.0}\n')
+    (out / "config.yaml").write_text("model: mlp\n")
+    code, stdout, stderr = main_in_process(*job, "--output-dir", out, "--resume", "auto")
+    assert code == 0, stderr
+    assert f"--resume auto: no checkpoint in {out}/checkpoints yet: the run starts from its beginning" in stdout
+    assert '"loss": 9.0' not in (out / "metrics.jsonl").read_text()
+    for done in ("summary.json", "model.safetensors", "checkpoints/step-00000008"):  # as if stopped after step 4
+        shutil.rmtree(out / done) if (out / done).is_dir() else (out / done).unlink()
+    code, stdout, stderr = main_in_process(*job, "--output-dir", out, "--resume", "auto")
+    assert code == 0 and "resuming at step 4" in stdout, stderr
+    final, reference = load_file(out / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
 def test_resume_errors_on_the_command_line(saved_run, tmp_path, main_in_process):
+    finished = saved_run.parent / "finished"  # a finished run that kept no checkpoint
+    finished.mkdir(exist_ok=True)
+    (finished / "summary.json").write_text("{}")
     before = (saved_run / "metrics.jsonl").read_text()
     for args, message in [
         (["--resume", tmp_path / "nowhere"], f"--resume {tmp_path}/nowhere: no such checkpoint folder"),
-        (["--resume", "auto", "--output-dir", tmp_path], f"--resume auto: no complete checkpoint in {tmp_path}/checkpoints"),
+        (["--resume", "auto", "--output-dir", saved_run.parent / "finished"],
+         f"--resume auto: {saved_run.parent}/finished holds a finished run and no checkpoint to continue it from"),
         (["--resume", "auto"], "--resume auto needs the --output-dir of the run to continue"),
         (["--model", "lenet", "--resume", saved_run / "checkpoints" / "step-00000004"], "is from a different run: model"),
     ]:

@@ -113,9 +113,9 @@ class Stateful(nn.Module):
 def test_counting_leaves_the_model_and_the_random_numbers_as_they_were(reads_values):
     torch.manual_seed(0)
     model = Stateful(reads_values).train()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sample, before = torch.randn(1, 8), {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    counted = flops_per_sample(model, [torch.randn(1, 8), None])
+    counted = flops_per_sample(model, [sample, None])
     assert counted == 3 * 2 * (8 * 16 + 16 * 2) - 2 * 8 * 16  # the first layer's input needs no gradient
     assert torch.equal(torch.get_rng_state(), rng)
     assert model.training and all(p.grad is None for p in model.parameters())

@@ -109,3 +109,30 @@ def test_live_progress_bars_on_the_main_process(train_in_process, capsys):
     assert "epoch 2" in out and "16/16" in out and "samples/s" in out and "loss" in out
     assert "step 16/16" not in out  # the plain per-log-step lines are not printed as well
     assert s["steps"] == 16
+
+
+def test_the_bars_follow_the_loop_without_a_call_into_rich_per_step(monkeypatch, capsys):
+    """At a terminal (FORCE_COLOR: rich takes the test's pipe for one), rich redraws the bars from the loop's
+    counts a few times a second: the loop's steps cost no call into rich, and the bars end at the counts."""
+    from rich.progress import Progress as RichProgress
+
+    from acc_trainer.progress import Progress
+
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "200")  # the bars and their figures on one line
+    calls = []
+    for name in ("advance", "update"):
+        original = getattr(RichProgress, name)
+        monkeypatch.setattr(RichProgress, name, lambda self, *a, _original=original, **k: (calls.append(1),
+                                                                                              _original(self, *a, **k)))
+    progress = Progress("auto", True, total_steps=10_000, epochs=2, steps_per_epoch=5_000)
+    assert progress.live
+    with progress:
+        progress.new_epoch(1, done=1_000)  # a run resumed in its second epoch, at step 6,000
+        for step in range(6_001, 10_001):
+            progress.step()
+            if step % 10 == 0:
+                progress.log(step, 1, 0.25, 0.01, 1234.0)
+    assert len(calls) < 40  # two per redraw, against two per step (8,000 here) before
+    out = capsys.readouterr().out
+    assert "10000/10000" in out and "epoch 2" in out and "5000/5000" in out and "loss 0.2500" in out

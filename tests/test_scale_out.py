@@ -53,14 +53,13 @@ def slurm_command(tmp_path, *args, **env) -> list[str]:
 
 def test_slurm_script_builds_the_launch_of_each_machine(tmp_path):
     out = tmp_path / "my run"
-    for rank in ("0", "1"):
+    for rank in ("0", "1"):  # the first attempt and every requeued one: the same command, --resume auto
         command = slurm_command(tmp_path, "--model", "resnet18", "--output-dir", out, SLURM_NODEID=rank)
         assert command == ["accelerate", "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "8",
                            "--machine_rank", rank, "--main_process_ip", "gpu-node-07", "--main_process_port",
                            "23456", "--rdzv_backend", "static", "--same_network", "-m", "acc_trainer",
-                           "--model", "resnet18", "--output-dir", str(out)]
-    # A requeued job continues from its checkpoint; another engine comes from an accelerate config.
-    (out / "checkpoints" / "step-00000500").mkdir(parents=True)
+                           "--model", "resnet18", "--output-dir", str(out), "--resume", "auto"]
+    # Another engine comes from an accelerate config.
     command = slurm_command(tmp_path, "--output-dir", out, SLURM_NODEID="0",
                             ACCELERATE_CONFIG="accelerate_configs/fsdp.yaml")
     assert command[2:4] == ["--config_file", "accelerate_configs/fsdp.yaml"]
