@@ -5,12 +5,17 @@ A checkpoint is a folder `<output-dir>/checkpoints/step-<N>` holding what `save_
 optimizer, scheduler, grad scaler, every process's RNG states) plus `trainer_state.json` (step,
 loss accumulators, evaluations so far, the options that define the run). It is written under a
 temporary name and renamed once every process has finished writing; a process killed mid-write
-leaves only a `.tmp-` folder, which is never picked up and is cleared by the next save.
+leaves only a `.tmp-` folder, which is never picked up and is cleared by the next save. Before the rename
+the main process writes `SHA256SUMS` (the format `sha256sum -c` reads) with a digest of every file; a
+checkpoint is verified against it before it is resumed, so bytes damaged at rest (a disk, a copy) are
+found, named, and under `--resume auto` skipped for the newest checkpoint that verifies.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import re
 import shutil
@@ -21,13 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .config import ConfigError, TrainConfig, first_line
 
 STATE_FILE = "trainer_state.json"
+SUMS = "SHA256SUMS"
 BEST = "best"
 NAME = re.compile(r"^step-(\d+)$")
 # Options that may change between an interrupted run and its resumption: they do not change what is
@@ -72,6 +79,7 @@ class Checkpoints:
             raise TrainingStopped(f"writing checkpoint {final} failed: {write_failure(error, tmp)}; {kept}", code=1)
         self.accelerator.wait_for_everyone()  # every process's files are in place
         if main:
+            write_sums(tmp)
             if final.exists():
                 old = self.folder / f".old-{name}"
                 final.rename(old)
@@ -123,22 +131,84 @@ def complete_checkpoints(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
-    """The checkpoint `--resume` names: `auto` is the newest complete one in the run's folder, or none (the run
-    starts from its beginning: the same command serves a first attempt and every restart), unless the folder
-    holds a finished run with nothing to continue from."""
+def find_resume(cfg: TrainConfig, out: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint `--resume` names, verified against its checksums, and notes to print. `auto` is the newest
+    complete checkpoint in the run's folder that verifies (the damaged ones after it are skipped, saying why),
+    or none: the run starts from its beginning, so the same command serves a first attempt and every restart,
+    unless the folder holds a finished run with nothing to continue from. The main process reads the files;
+    every process gets its answer."""
     if cfg.resume is None:
+        return None, []
+    answer = [None]
+    if PartialState().is_main_process:
+        try:
+            answer = [_chosen(cfg, out)]
+        except ConfigError as e:
+            answer = [str(e)]
+    broadcast_object_list(answer)
+    if isinstance(answer[0], str):
+        raise ConfigError(answer[0])
+    path, notes = answer[0]
+    return (Path(path) if path else None), notes
+
+
+def _chosen(cfg: TrainConfig, out: Path) -> tuple[str | None, list[str]]:
+    if cfg.resume != "auto":
+        path = Path(cfg.resume)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {path}: no such checkpoint folder")
+        problem = damage(path)
+        if problem:
+            raise ConfigError(f"checkpoint {path} is {problem}; resume from another one (--resume auto takes the "
+                              "newest that verifies)")
+        return str(path), []
+    found, notes = complete_checkpoints(out / "checkpoints"), []
+    for path in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            return str(path), notes
+        notes.append(f"--resume auto: skipped checkpoint {path}: {problem}")
+    if found:
+        raise ConfigError(f"--resume auto: no checkpoint in {out / 'checkpoints'} verifies ({'; '.join(notes)})")
+    if (out / "summary.json").exists():
+        raise ConfigError(f"--resume auto: {out} holds a finished run and no checkpoint to continue it from; "
+                          "choose a new --output-dir")
+    return None, []
+
+
+def write_sums(folder: Path, names: list[str] | None = None) -> None:
+    """`folder/SHA256SUMS`: the digest of every file in it (or of `names`), as `sha256sum` writes them."""
+    paths = [folder / n for n in names] if names is not None else \
+        sorted(p for p in folder.rglob("*") if p.is_file() and p.name != SUMS)
+    text = "".join(f"{_sha256(p)}  {p.relative_to(folder).as_posix()}\n" for p in paths)
+    (folder / f".{SUMS}.tmp").write_text(text)
+    os.replace(folder / f".{SUMS}.tmp", folder / SUMS)
+
+
+def damage(folder: Path, only: str | None = None) -> str | None:
+    """What is wrong with the files `folder/SHA256SUMS` lists (all, or the one named `only`): None when each
+    matches its digest, or when no digests were written (a checkpoint from before they were)."""
+    sums = folder / SUMS
+    if not sums.is_file():
         return None
-    if cfg.resume == "auto":
-        found = complete_checkpoints(out / "checkpoints")
-        if not found and (out / "summary.json").exists():
-            raise ConfigError(f"--resume auto: {out} holds a finished run and no checkpoint to continue it from; "
-                              "choose a new --output-dir")
-        return found[-1] if found else None
-    path = Path(cfg.resume)
-    if not path.is_dir():
-        raise ConfigError(f"--resume {path}: no such checkpoint folder")
-    return path
+    for line in sums.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if only is not None and name != only:
+            continue
+        path = folder / name
+        if not path.is_file():
+            return f"incomplete: {name} missing"
+        if _sha256(path) != digest:
+            return f"damaged: {name} does not match the digest written with it ({sums})"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:

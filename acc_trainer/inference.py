@@ -30,6 +30,7 @@ import torch
 from accelerate import PartialState
 
 from . import components, processes
+from .checkpoints import damage
 from .config import ConfigError, TrainConfig, first_line
 from .data import is_stream, length, one_at_a_time, reads_files
 from . import evaluation
@@ -319,6 +320,9 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str) ->
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give --weights "
                           "FILE: never an evaluation of random weights")
+    problem = damage(weights.parent, only=weights.name)  # against the digest the run wrote, where there is one
+    if problem:
+        raise ConfigError(f"the weights {weights} are {problem}")
     if "config" not in args:  # a --config given here replaces the run's, as it always did
         args.config = args.run / "config.yaml"
     return config_from(args), _Command(args.run, weights, args.output, args.split)

@@ -108,19 +108,19 @@ def _attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
 
 
 def _attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    """The gradients of both products' two inputs: twice the forward, as for any matrix multiply. torch's own
-    formula for its fused CUDA kernels adds the scores they compute again, which the model does not ask for."""
+    """The gradients of both products' two inputs: twice the forward, as for any matrix multiply and as the
+    attention decomposed into matrix multiplies (on the meta device) counts."""
     return 2 * _attention(query, key, value)
 
 
-aten = torch.ops.aten
-# torch 2.14 counts no FLOPs for the CPU's fused attention (the kernel a CPU forward of nn.functional.
-# scaled_dot_product_attention runs); its backward counted as any attention backward, on every device.
-ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu: _attention,
-             **dict.fromkeys([aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                              aten._scaled_dot_product_flash_attention_backward,
-                              aten._scaled_dot_product_efficient_attention_backward,
-                              aten._scaled_dot_product_cudnn_attention_backward], _attention_backward)}
+# torch 2.14 counts nothing for the CPU's fused attention kernel (what nn.functional.scaled_dot_product_attention
+# runs on a CPU), and counts the backward of its fused CUDA kernels with the scores they compute again.
+_aten = torch.ops.aten
+ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+             **dict.fromkeys([_aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                              _aten._scaled_dot_product_flash_attention_backward,
+                              _aten._scaled_dot_product_efficient_attention_backward,
+                              _aten._scaled_dot_product_cudnn_attention_backward], _attention_backward)}
 
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, for model FLOPs utilisation.

@@ -153,6 +153,7 @@ class _Origin:
     folder: Path
     resume: Path | None
     resumed: dict | None  # the checkpoint's trainer state (checkpoints.read_state)
+    notes: list[str]  # checkpoints --resume auto skipped, and why
 
 
 def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
@@ -206,6 +207,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
         state.load(origin.resumed, accelerator.process_index, world)
         notes += checkpoints.elastic_note(origin.resumed["world_size"], world)
     shape.start_step = state.step
+    notes += origin.notes
     if cfg.resume == "auto" and not origin.resume:
         notes.append(f"--resume auto: no checkpoint in {origin.folder / 'checkpoints'} yet: the run starts from its "
                      "beginning")
@@ -245,9 +247,9 @@ def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, 
 def _origin(cfg: TrainConfig, job: Workload, group: Group) -> _Origin:
     """The run's folder and the checkpoint it resumes from (checked against this run)."""
     folder = output_dir(cfg, job.model_name, job.dataset_name)
-    resume = checkpoints.find_resume(cfg, folder)
+    resume, notes = checkpoints.find_resume(cfg, folder)
     resumed = checkpoints.read_state(resume, cfg, group.state.num_processes, group.engine) if resume else None
-    return _Origin(folder, resume, resumed)
+    return _Origin(folder, resume, resumed, notes)
 
 
 def _placement(accelerator: Accelerator, train_loader, eval_loader) -> list | None:

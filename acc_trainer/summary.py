@@ -3,11 +3,16 @@ written, the plots drawn and the summary table printed."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
+from pathlib import Path
+
+from accelerate import Accelerator
 
 from . import processes
-from .checkpoints import WRITE_ERRORS, write_failure
+from .checkpoints import WRITE_ERRORS, write_failure, write_sums
 from .config import TrainConfig
 from .evaluation import format_results
 from .measure import device_peak_flops, library_versions, peak_memory_mb
@@ -31,10 +36,11 @@ def finish(r: Run) -> dict:
     # their wrapper to gather the full weights.
     to_save = trained.model if r.engine != "DDP" else accelerator.unwrap_model(trained.model, keep_torch_compile=False)
     try:
-        accelerator.save_model(trained.ema.module if trained.ema else to_save, output.folder)
+        save_weights(accelerator, trained.ema.module if trained.ema else to_save, output.folder)
     except WRITE_ERRORS as e:
         if not accelerator.is_main_process:
             raise
+        shutil.rmtree(output.folder / ".tmp-weights", ignore_errors=True)  # the part written
         last = output.checkpoints.last
         kept = f"the last complete checkpoint is {last}" if last else "no checkpoint was saved"
         raise TrainingStopped(f"writing the final weights {output.folder / 'model.safetensors'} failed: "
@@ -53,6 +59,22 @@ def finish(r: Run) -> dict:
     output.progress.print(summary_table(summary, plots))
     accelerator.end_training()
     return summary
+
+
+def save_weights(accelerator: Accelerator, model, folder: Path) -> None:
+    """The final weights (`save_model`: model.safetensors, or its shards and their index), written as
+    checkpoints are: into a temporary folder, moved into place once whole, then listed with their digests in
+    `folder/SHA256SUMS` (`evaluate`/`predict` verify them). A run stopped while writing leaves no half file."""
+    tmp = folder / ".tmp-weights"  # only the main process writes files (the others may help gather the weights)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.save_model(model, tmp)
+    if accelerator.is_main_process:
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, folder / name)
+        tmp.rmdir()
+        write_sums(folder, names)
 
 
 def run_summary(r: Run, agreement: dict) -> dict:

@@ -187,6 +187,9 @@ def _damage(run, tmp_path, how):
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     checkpoint = copy / "checkpoints" / "step-00000002"
+    if how.endswith("(written before checksums)"):
+        (checkpoint / "SHA256SUMS").unlink()
+        how = how.split(" (")[0]
     if how == "truncated":
         data = (checkpoint / "model.safetensors").read_bytes()
         (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -196,14 +199,27 @@ def _damage(run, tmp_path, how):
         (checkpoint / "optimizer.bin").unlink()
     elif how == "garbage optimizer":
         (checkpoint / "optimizer.bin").write_bytes(b"not a torch file")
+    elif how.startswith("flipped"):  # 64 bytes inside the weights, the size kept: only the digest can tell
+        _flip(checkpoint / "model.safetensors")
     return copy, checkpoint
 
 
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle: middle + 64] = bytes(b ^ 0xFF for b in data[middle: middle + 64])
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("how,message", [
-    ("truncated", "checkpoint {cp} cannot be loaded (SafetensorError"),
-    ("corrupt state", "checkpoint {cp}/trainer_state.json is corrupt (JSONDecodeError"),
+    ("truncated", "checkpoint {cp} is damaged: model.safetensors does not match the digest written with it"),
+    ("corrupt state", "checkpoint {cp} is damaged: trainer_state.json does not match the digest written with it"),
     ("missing file", "checkpoint {cp} is incomplete: optimizer.bin missing"),
-    ("garbage optimizer", "checkpoint {cp} cannot be loaded ("),
+    ("garbage optimizer", "checkpoint {cp} is damaged: optimizer.bin does not match the digest written with it"),
+    ("flipped bytes", "checkpoint {cp} is damaged: model.safetensors does not match the digest written with it"),
+    # A checkpoint without digests (written before them): what loading finds
+    ("truncated (written before checksums)", "checkpoint {cp} cannot be loaded (SafetensorError"),
+    ("corrupt state (written before checksums)", "checkpoint {cp}/trainer_state.json is corrupt (JSONDecodeError"),
 ])
 def test_damaged_checkpoints_are_named_errors(saved_run, tmp_path, train_in_process, how, message):
     run, checkpoint = _damage(saved_run, tmp_path, how)
@@ -211,6 +227,31 @@ def test_damaged_checkpoints_are_named_errors(saved_run, tmp_path, train_in_proc
         train_in_process(model="mlp", train_size=256, eval_size=64, batch_size=64, epochs=1, checkpoint_every="2",
                          output_dir=str(run), resume=str(checkpoint))
     assert str(error.value).startswith(message.format(cp=checkpoint))
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_by_resume_auto(saved_run, tmp_path, main_in_process):
+    """Bytes flipped at rest in the newest checkpoint: `--resume auto` says which it skipped and why, continues
+    from the one before, and ends with the uninterrupted run's weights; damaged final weights are refused by
+    `evaluate`, naming the file."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    for done in ("summary.json", "model.safetensors"):
+        (run / done).unlink()
+    newest = run / "checkpoints" / "step-00000004"
+    _flip(newest / "model.safetensors")
+    code, stdout, stderr = main_in_process("--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size",
+                                           "64", "--epochs", "1", "--checkpoint-every", "2", "--output-dir", run,
+                                           "--resume", "auto", "--progress", "plain", "--no-plots")
+    assert code == 0, stderr
+    assert (f"--resume auto: skipped checkpoint {newest}: damaged: model.safetensors does not match the digest "
+            f"written with it ({newest}/SHA256SUMS)") in stdout
+    assert "resuming at step 2" in stdout
+    final, reference = load_file(run / "model.safetensors"), load_file(saved_run / "model.safetensors")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+    _flip(run / "model.safetensors")
+    code, _, stderr = main_in_process("evaluate", run)
+    assert code == 2 and stderr == (f"acc-trainer: error: the weights {run}/model.safetensors are damaged: "
+                                    f"model.safetensors does not match the digest written with it ({run}/SHA256SUMS)\n")
 
 
 def test_a_checkpoint_of_another_run_is_refused(saved_run, train_in_process):
