@@ -371,14 +371,70 @@ def data_from(train, eval_, name: str) -> Data:
         raise ConfigError(f"samples of {name} must be (inputs, targets) pairs or dicts of tensors, "
                           f"not {type(sample).__name__}")
     targets = torch.as_tensor(targets) if isinstance(targets, (int, float)) else targets
-    task, num_classes = None, None
+    task, num_classes, notes = None, None, []
     if isinstance(targets, torch.Tensor):
         task = "regression" if targets.is_floating_point() else "classification"
-        if task == "classification":
+        if task == "classification" and targets.dim() == 0:  # one class label per sample
+            num_classes, notes = _checked_classes(train, eval_, name)
+        elif task == "classification":
             num_classes = _num_classes(train)
     shape = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else None
     images = shape is not None and len(shape) == 3 and isinstance(targets, torch.Tensor) and not is_stream(train)
-    return Data(train, eval_, task, num_classes, shape, RawImages(train, None) if images else None, heads)
+    return Data(train, eval_, task, num_classes, shape, RawImages(train, None) if images else None, heads, notes)
+
+
+def _checked_classes(train, eval_, name: str) -> tuple[int | None, list[str]]:
+    """The number of classes of a labelled set, with its labels checked where the datasets hold them (`targets`,
+    a TensorDataset's last tensor): a negative label, or one at or past a declared number of classes, is one line
+    instead of an IndexError inside the loss at some later step; a count inferred from the largest label while
+    fewer distinct labels appear (a stray label making a larger head) gets a note."""
+    num_classes = _num_classes(train)
+    declared = _declared_classes(train)
+    notes = []
+    for split, dataset in (("training", train), ("evaluation", eval_)):
+        labels = _labels(dataset) if dataset is not None else None
+        if labels is None or not len(labels):
+            continue
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0:
+            raise ConfigError(f"the {split} labels of {name} include {low} (sample {int((labels == low).nonzero()[0])}): "
+                              "class labels run from 0 to the number of classes - 1")
+        if num_classes is not None and high >= num_classes:
+            said = f"declares {num_classes} classes" if declared else f"has {num_classes} classes in its training labels"
+            raise ConfigError(f"the {split} labels of {name} include {high} (sample "
+                              f"{int((labels == high).nonzero()[0])}), and {name} {said} (labels 0 to {num_classes - 1})")
+        distinct = len(torch.unique(labels))
+        if split == "training" and not declared and distinct < high + 1:
+            notes.append(f"note: {high + 1} classes inferred from the largest training label ({high}), but only "
+                         f"{distinct} distinct labels appear; give the dataset `classes` or `num_classes` to declare them")
+    return num_classes, notes
+
+
+def _declared_classes(dataset) -> bool:
+    """Whether the dataset says its number of classes rather than leaving it to be inferred from its labels."""
+    if isinstance(getattr(dataset, "num_classes", None), int) or getattr(dataset, "classes", None) is not None:
+        return True
+    features = getattr(dataset, "features", None)
+    if isinstance(features, Mapping) and hasattr(features.get("labels", features.get("label")), "num_classes"):
+        return True
+    return hasattr(dataset, "dataset") and not hasattr(dataset, "targets") and _declared_classes(dataset.dataset)
+
+
+def _labels(dataset) -> torch.Tensor | None:
+    """A labelled set's class labels where it holds them without reading its samples, else None."""
+    if is_stream(dataset):
+        return None
+    targets = getattr(dataset, "targets", None)
+    if targets is None and hasattr(dataset, "tensors"):
+        targets = dataset.tensors[-1]
+    if targets is None and isinstance(getattr(dataset, "indices", None), (list, range, torch.Tensor)) and \
+            hasattr(dataset, "dataset"):  # a Subset
+        whole = _labels(dataset.dataset)
+        return whole[torch.as_tensor(list(dataset.indices), dtype=torch.long)] if whole is not None else None
+    if targets is None:
+        return None
+    targets = torch.as_tensor(targets)
+    return targets if not targets.is_floating_point() and targets.dim() == 1 else None
 
 
 def _num_classes(dataset) -> int | None:

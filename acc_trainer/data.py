@@ -38,6 +38,7 @@ class Data:
     input_shape: tuple[int, ...] | None  # of one sample, e.g. (3, 32, 32) or (1,); None for dict samples
     raw: RawImages | None = None  # for augmentation; None: the training set cannot be augmented
     heads: Heads = field(default_factory=lambda: Heads(), compare=False, repr=False)  # its streams' first samples
+    notes: list[str] = field(default_factory=list, compare=False)  # what the checks of its labels found
 
 
 class Heads:

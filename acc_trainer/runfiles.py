@@ -48,10 +48,16 @@ def lock_run_folder(folder: Path, resuming: bool) -> None:
     """One run at a time per folder: an exclusive flock on <folder>/.lock, held until this process ends
     (or starts another run on the folder). The operating system drops it when the process dies, so a
     killed run never leaves a lock behind. Main process only."""
-    folder.mkdir(parents=True, exist_ok=True)
     if folder.resolve() in _LOCKS:  # an earlier run of this process on the same folder (fit() twice, say)
         _LOCKS.pop(folder.resolve()).close()
-    handle = open(folder / ".lock", "a+")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / ".lock", "a+")
+    except OSError as e:  # a read-only file system, a parent that is a file, no permission
+        where = next((p for p in [folder, *folder.parents] if p.exists()), folder)
+        raise ConfigError(f"--output-dir {folder} cannot be written ({e.strerror or type(e).__name__}"
+                          + (f": {where} is not a folder" if where.exists() and not where.is_dir() else "")
+                          + "); choose another folder") from None
     error = _in_use(folder, handle)
     if error:
         handle.close()

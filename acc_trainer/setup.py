@@ -207,7 +207,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
         state.load(origin.resumed, accelerator.process_index, world)
         notes += checkpoints.elastic_note(origin.resumed["world_size"], world)
     shape.start_step = state.step
-    notes += origin.notes
+    notes += origin.notes + job.data.notes
     if cfg.resume == "auto" and not origin.resume:
         notes.append(f"--resume auto: no checkpoint in {origin.folder / 'checkpoints'} yet: the run starts from its "
                      "beginning")

@@ -13,6 +13,7 @@ import time
 import shutil
 
 import pytest
+import torch
 from conftest import BIN, _env, check, free_port, launch, run_cli, run_here, summary
 
 SMALL = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--progress", "none"]
@@ -325,3 +326,51 @@ def test_two_runs_started_together_on_one_folder(tmp_path):
     assert refused.count("\n") == 1 and refused.startswith(f"acc-trainer: error: --output-dir {out} "), refused
     assert "is in use by another run" in refused or "already holds a run" in refused  # still running, or done
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4, 4]
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path, main_in_process):
+    """A parent that is a file, and a read-only file system (mounted here where root can): one line, exit 2,
+    nothing written."""
+    (tmp_path / "a file").write_text("")
+    code, _, stderr = main_in_process(*SMALL, "--max-steps", "2", "--output-dir", tmp_path / "a file" / "run")
+    assert (code, stderr) == (2, f"acc-trainer: error: --output-dir {tmp_path}/a file/run cannot be written (Not a "
+                                 f"directory: {tmp_path}/a file is not a folder); choose another folder\n")
+    disk = tmp_path / "read-only"
+    _small_disk(disk, "1m")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        code, _, stderr = main_in_process(*SMALL, "--max-steps", "2", "--output-dir", disk / "run")
+        assert (code, stderr) == (2, f"acc-trainer: error: --output-dir {disk}/run cannot be written (Read-only file "
+                                     "system); choose another folder\n")
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_class_labels_out_of_range_are_one_line_and_a_stray_one_a_note(tmp_path, torch_on_one_thread):
+    """A negative label, or one past the classes a dataset declares, is one line at start (not an IndexError
+    inside the loss at whatever step first draws it); a count inferred from the largest label while fewer labels
+    appear gets a note: one label of 57 in a 4-class set would otherwise make a 58-class head in silence."""
+    import acc_trainer
+    from acc_trainer.config import ConfigError
+    from conftest import reset_accelerate
+
+    class Declared(torch.utils.data.TensorDataset):
+        classes = ["a", "b", "c", "d"]
+
+    x = torch.randn(64, 4)
+
+    def labels(last):
+        return torch.tensor([0, 1, 2, 3] * 15 + [0, 1, 2, last])
+
+    with pytest.raises(ConfigError, match=r"^the training labels of TensorDataset include -3 \(sample 63\): class "
+                                          r"labels run from 0 to the number of classes - 1$"):
+        acc_trainer.fit(torch.nn.Linear(4, 4), torch.utils.data.TensorDataset(x, labels(-3)))
+    with pytest.raises(ConfigError, match=r"^the evaluation labels of Declared include 57 \(sample 63\), and Declared "
+                                          r"declares 4 classes \(labels 0 to 3\)$"):
+        acc_trainer.fit(torch.nn.Linear(4, 4), Declared(x, labels(3)), Declared(x, labels(57)))
+    reset_accelerate()
+    s = acc_trainer.fit(torch.nn.Linear(4, 58), torch.utils.data.TensorDataset(x, labels(57)), max_steps=1,
+                        batch_size=16, progress="none", plots=False, output_dir=str(tmp_path / "run"))
+    reset_accelerate()
+    assert s["notes"] == ["note: 58 classes inferred from the largest training label (57), but only 5 distinct labels "
+                          "appear; give the dataset `classes` or `num_classes` to declare them"]
