@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from .evaluation import everyones, format_results, real_batches, stream_faults, 
 from .loaders import evaluation_loader, stream_evaluation
 from .losses import forward, predictions
 from .setup import accelerator_for, training_loss
+from .stopping import TrainingStopped
 
 FORMATS = (".jsonl", ".csv", ".npz")
 
@@ -116,7 +118,7 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
     writer = Writer(output, size) if accelerator.is_main_process else None
     rows, index, unreadable = [], 0, []
     try:
-        with stream_faults(str), torch.no_grad(), _progress(accelerator.is_main_process and output is not None,
+        with _stopped_by_signals(output), stream_faults(str), torch.no_grad(), _progress(accelerator.is_main_process and output is not None,
                                                              None if is_stream(dataset) else len(loader)) as advance:
             for batch, real, bad in real_batches(accelerator, loader, reads_files(dataset)):
                 unreadable += bad
@@ -142,6 +144,30 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
             writer.discard()  # what is left of an unfinished file
     accelerator.wait_for_everyone()
     return (output if output is not None else rows), index
+
+
+@contextmanager
+def _stopped_by_signals(output: Path | None):
+    """SIGTERM or SIGINT while predicting ends it with one line and exit 128 + the signal, after the unfinished
+    file's folder is removed (`_predict`'s finally): the signal's default would end the process before it."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(number, frame):
+        name = signal.Signals(number).name
+        raise TrainingStopped(f"predict stopped by {name}" + (f"; nothing was written to {output}" if output else ""),
+                              code=128 + number)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _per_sample(outputs):

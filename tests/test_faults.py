@@ -374,3 +374,54 @@ def test_class_labels_out_of_range_are_one_line_and_a_stray_one_a_note(tmp_path,
     reset_accelerate()
     assert s["notes"] == ["note: 58 classes inferred from the largest training label (57), but only 5 distinct labels "
                           "appear; give the dataset `classes` or `num_classes` to declare them"]
+
+
+SLOW_DATA = '''
+import time
+
+import torch
+
+
+class Slow(torch.utils.data.Dataset):
+    """Images of two classes, 5 ms each to read."""
+
+    classes = ["even", "odd"]
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(0.005)
+        return torch.full((3, 8, 8), float(i % 7)), i % 2
+
+
+def load(eval_size=8):
+    return Slow(64), Slow(eval_size)
+'''
+
+
+def test_predict_stopped_by_sigterm_leaves_no_temporary_files(tmp_path):
+    """The rows go to a folder of their own beside the output until the file is whole; a SIGTERM midway removes
+    it and says so in one line, exit 143."""
+    from conftest import _env
+
+    (tmp_path / "slow.py").write_text(SLOW_DATA)
+    run = tmp_path / "run"
+    check(run_cli("--model", "mlp", "--dataset", "slow:load", "--batch-size", "32", "--max-steps", "1", "--no-plots",
+                  "--progress", "none", "--output-dir", run, cwd=tmp_path))
+    output = tmp_path / "rows.jsonl"
+    predicting = subprocess.Popen([sys.executable, "-m", "acc_trainer", "predict", str(run), "--output", str(output),
+                                   "--eval-batch-size", "100", "--dataset-args", "{eval_size: 4000}"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".predict-*")) and time.time() < deadline and predicting.poll() is None:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".predict-*")), "predict never started writing"
+    predicting.send_signal(signal.SIGTERM)
+    _, stderr = predicting.communicate(timeout=120)
+    assert predicting.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == f"acc-trainer: predict stopped by SIGTERM; nothing was written to {output}"
+    assert not list(tmp_path.glob(".predict-*")) and not output.exists()
