@@ -181,8 +181,13 @@ class TrainConfig:
     channels_last: bool = _opt(False, "keep images and convolution weights in channels-last memory format")
     tf32: bool = _opt(True, "on GPUs from Ampere on, let float32 matmuls and convolutions use TF32 tensor cores")
     dist_timeout: int = _opt(
-        1800, "seconds a process waits for the others at a collective before failing with an error"
+        1800, "seconds a process waits for the others at a collective before failing with an error (the backstop: "
+        "--hang-timeout finds a hung process sooner)"
     )
+    hang_timeout: float | None = _opt(
+        None, "seconds without progress after which a process counts as hung: the run names the process that holds "
+        "the others up (and prints its Python stacks), then stops every process (default: 20 x the run's median step "
+        "time, at least 60 s; 10 x that for the first step and checkpoint writes; 0: no watchdog)", metavar="S")
     seed: int = _opt(42, "seed for weights, data order and generated data")
     num_workers: int | None = _opt(
         None, "DataLoader worker processes per training process (default: none for data in memory; for the built-in "
@@ -235,6 +240,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+        if self.hang_timeout is not None and self.hang_timeout < 0:
+            raise ConfigError(f"--hang-timeout must be 0 (no watchdog) or positive, got {self.hang_timeout}")
         for name in ("lr", "lr_gamma"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")

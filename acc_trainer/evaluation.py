@@ -87,7 +87,7 @@ def _everyones_pair(accelerator: Accelerator, predictions, targets, real: int) -
 
 def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, channels_last: bool = False,
              input_dtype: torch.dtype | None = None, guarded: bool = False, forward_fn: Callable | None = None,
-             tables: dict | None = None) -> dict:
+             tables: dict | None = None, watch=None) -> dict:
     """The loss and every metric over the whole evaluation set, each sample counted once whatever the
     number of processes, and nothing but running sums kept (never the whole set's outputs).
 
@@ -96,7 +96,8 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
     predictions in evaluation) is left out of the results. Metrics with state (F1, AUROC, mAP; metrics.py)
     are updated with the real samples only and computed once, over every process (`merged_metric`);
     `tables` (the confusion matrix) come back under "tables". With `guarded` batches the indices of
-    samples that could not be read come back as `unreadable` (on every process).
+    samples that could not be read come back as `unreadable` (on every process). `watch` (a training run's
+    watchdog) is told of every batch.
     """
     model.eval()
     stateful = {name: m for name, m in {**metrics, **(tables or {})}.items() if is_stateful(m)}
@@ -112,6 +113,8 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
     unreadable, has_loss = [], True
     with torch.no_grad():
         for batch, real, bad in real_batches(accelerator, loader, guarded):
+            if watch is not None:
+                watch.at("evaluation")
             unreadable += bad
             batch = model_inputs(batch, channels_last, input_dtype)
             outputs, targets, loss = batch_loss(model, batch, loss_fn, forward_fn)

@@ -44,7 +44,7 @@ THEMES = {
     "Optimizer and schedule": ("optimizer", "optimizer_args", "momentum", "nesterov", "weight_decay", "lr", "scale_lr",
                                "lr_reference_batch", "scheduler", "warmup_steps", "lr_step_epochs", "lr_gamma",
                                "max_grad_norm"),
-    "Precision and devices": ("mixed_precision", "cpu", "sync_bn", "seed", "dist_timeout"),
+    "Precision and devices": ("mixed_precision", "cpu", "sync_bn", "seed", "dist_timeout", "hang_timeout"),
     "Data": ("augment", "mixup", "cutmix", "label_smoothing", "ema", "data_pipeline", "num_workers", "train_size",
              "eval_size", "image_size"),
     "Run files and output": ("output_dir", "log_every", "log_with", "progress", "plots"),

@@ -37,6 +37,7 @@ from .processes import Group
 from .setup import Run, setup, stream_position
 from .stopping import StopSignals, TrainingStopped
 from .summary import finish
+from .watchdog import Idle, Watchdog
 
 
 def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
@@ -47,7 +48,7 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
     where = lambda: (f"epoch {r.epoch + 1}, after optimizer step {state.step}, process "
                      f"{r.accelerator.process_index} of {r.world}")
     with r.output.progress, StopSignals(r.accelerator) as signals, r.output.files.plots_if_stopped(cfg.plots), \
-            _naming_the_step(where):
+            _naming_the_step(where), _watched(r):
         for epoch in epochs_left(r):
             r.epoch = epoch
             if not _epoch_trained(r, epoch):  # else: resumed before this epoch's evaluation
@@ -60,7 +61,7 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
                     results = evaluate(r.accelerator, trained.ema.module if trained.ema else trained.model,
                                        r.loaders.eval, r.scoring.eval_loss_fn, r.scoring.metrics, cfg.channels_last,
                                        trained.input_dtype, guarded=reads_files(r.job.data.eval),
-                                       forward_fn=r.job.forward, tables=r.scoring.checked.tables)
+                                       forward_fn=r.job.forward, tables=r.scoring.checked.tables, watch=r.watch)
                 keep_evaluation(r, results)
             if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint from here starts the next epoch
                 state.stream = stream_position(epoch + 1, state.step, state.stream["epoch_steps"])
@@ -135,8 +136,10 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
         batches.set_epoch(r.epoch)
     if r.loaders.augment:
         r.loaders.augment.set_epoch(r.epoch)  # and each sample's augmentation, whatever process or batch reads it
-    clock.batch_ready = time.perf_counter()
+    clock.batch_ready, watch = time.perf_counter(), r.watch
+    watch.at("data")
     for batch in batches:
+        watch.at("compute")
         clock.data_wait += time.perf_counter() - clock.batch_ready
         if guarded:  # (batch, indices of the samples that could not be read, else -1)
             batch, indices = batch
@@ -154,8 +157,10 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
             optimizer.zero_grad()
         clock.batch_ready = time.perf_counter()
         if not accelerator.sync_gradients:
+            watch.at("data")
             continue
         state.step += 1
+        watch.at("compute", state.step)
         r.output.progress.step()
         if r.streaming and r.loaders.train.resumed and r.shape.start_step == state.step - 1:
             _resumed_stream(r)
@@ -169,6 +174,7 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
             save_checkpoint(r)
         stop_if_signalled(r, signals, check=state.step % cfg.log_every == 0)
         clock.batch_ready = time.perf_counter()  # logging and checkpoints are not waiting for data
+        watch.at("data")
     if r.streaming:
         _stream_ended(r)
 
@@ -282,7 +288,7 @@ def save_checkpoint(r: Run, name: str | None = None) -> None:
         raise TrainingStopped(_nonfinite_message(bad, r.output.checkpoints.last), code=1)
     saved = {**r.state.saved(r.accelerator), "world_size": r.world, "engine": r.engine,
              "parameters": r.trained.parameters, "config": r.cfg.to_dict()}
-    with r.output.checkpoints.writing(saved, name) as folder:
+    with r.watch.slow("checkpoint"), r.output.checkpoints.writing(saved, name) as folder:
         r.accelerator.save_state(str(folder))
 
 
@@ -354,6 +360,19 @@ def _early_stop(r: Run, value: float) -> None:
                                "reason": f"{cfg.early_stop} did not improve by more than {cfg.min_delta} for "
                                          f"{cfg.patience} evaluations (best {state.early_best:.6g})"}
         r.output.progress.print(f"early stop at step {state.step}: {state.stopped_early['reason']}")
+
+
+@contextmanager
+def _watched(r: Run):
+    """The watchdog of this process (watchdog.py) while the loop runs; --hang-timeout 0 leaves it out."""
+    if r.cfg.hang_timeout == 0:
+        yield
+        return
+    last = r.output.checkpoints
+    hint = lambda: (f"continue from {last.last} with --resume auto --output-dir {r.output.folder}" if last.last else
+                    "no checkpoint was saved")
+    with Watchdog(r.output.folder, r.accelerator.process_index, r.world, r.cfg.hang_timeout, hint) as r.watch:
+        yield
 
 
 @contextmanager

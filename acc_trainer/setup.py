@@ -40,6 +40,7 @@ from .progress import Progress
 from .runfiles import RunFiles, lock_run_folder, output_dir
 from .state import Clock, IntervalLosses, RunState
 from .streams import StreamLoader
+from .watchdog import Idle
 
 
 @dataclass
@@ -129,6 +130,7 @@ class Run:
     clock: Clock
     notes: list[str]
     started: float
+    watch: Any = field(default_factory=lambda: Idle())  # the watchdog (watchdog.Watchdog) while the loop runs
     epoch: int = 0
     stream_resume: dict | None = None  # how a resumed stream reached its position (streams.StreamLoader.resumed)
     tables: dict = field(default_factory=dict)  # the last evaluation's tables: confusion_matrix, per_class
