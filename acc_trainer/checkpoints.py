@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError

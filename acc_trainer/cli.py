@@ -21,9 +21,8 @@ def check_data(argv: list[str]) -> None:
     """`acc-trainer check-data [options]`: opens every sample of the dataset the options name, once, and
     lists those that cannot be read (or that --collate cannot batch); exit 1 when there are some."""
     from .components import build_batching, build_data
-    from .data import unreadable_samples
+    from .data import is_stream, unreadable_samples
     from .progress import make_console
-    from .data import is_stream
     from .streams import read_through
 
     cfg = parse_config(argv)

@@ -26,8 +26,8 @@ import sys
 from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -35,7 +35,8 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader, default_collate
 
-from . import losses, metrics as builtin_metrics, streams
+from . import losses, streams
+from . import metrics as builtin_metrics
 from .config import IMPORT_PATH, ConfigError, TrainConfig, first_line
 from .data import DATASETS, Data, Heads, InMemory, RawImages, check_data, is_stream, one_at_a_time, torchvision
 from .models import MODELS

@@ -30,11 +30,10 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from . import components, processes
+from . import components, evaluation, processes
 from .checkpoints import damage
 from .config import ConfigError, TrainConfig, first_line
 from .data import is_stream, length, one_at_a_time, reads_files
-from . import evaluation
 from .evaluation import everyones, format_results, real_batches, stream_faults, unreadable_everywhere
 from .loaders import evaluation_loader, stream_evaluation
 from .losses import forward, predictions

@@ -19,8 +19,19 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from . import augment as augmentation
 from .config import TrainConfig
-from .data import (DATASETS, Data, Guarded, IndexBatches, InMemory, Uncollated, augmented, is_stream, one_at_a_time,
-                   reads_files, steps_per_epoch)
+from .data import (
+    DATASETS,
+    Data,
+    Guarded,
+    IndexBatches,
+    InMemory,
+    Uncollated,
+    augmented,
+    is_stream,
+    one_at_a_time,
+    reads_files,
+    steps_per_epoch,
+)
 from .streams import StreamLoader
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import re
-
 from typing import Callable
 
 import torch

@@ -17,7 +17,6 @@ from accelerate.utils import broadcast_object_list
 from .config import ConfigError, TrainConfig
 from .processes import main_decides
 
-
 _LOCKS: dict = {}  # run folder -> the open lock file this process holds
 
 

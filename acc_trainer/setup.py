@@ -20,8 +20,7 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, TorchDynamoPlugin,
-                              set_seed)
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, TorchDynamoPlugin, set_seed
 
 from . import augment as augmentation
 from . import checkpoints, components, engines, patches, processes

@@ -15,6 +15,7 @@ Checkpoints are written atomically, so nothing saved is lost.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -24,7 +25,6 @@ import statistics
 import sys
 import threading
 import time
-import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from accelerate.state import PartialState
-
 import streams_data
+from accelerate.state import PartialState
 from topology_probe import fresh_state, launched
+
 from acc_trainer import fit
 from acc_trainer.config import ConfigError
 from acc_trainer.stopping import TrainingStopped

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from acc_trainer.augment import Augment, crop_flip, resized_crop, trivial_augment, uniforms
-from acc_trainer.config import TrainConfig
-from acc_trainer.components import build_data
-from acc_trainer.data import InMemory, PerSample, augmented
 from conftest import check, launch, run_here, summary
+from safetensors.torch import load_file
 from test_checkpoints import interrupted
 from test_data import write_cifar
 
+from acc_trainer.augment import Augment, crop_flip, resized_crop, trivial_augment, uniforms
+from acc_trainer.components import build_data
+from acc_trainer.config import TrainConfig
+from acc_trainer.data import InMemory, PerSample, augmented
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
@@ -250,9 +249,10 @@ def test_resnet18_cifar_keeps_32x32_images_at_4x4_in_its_last_stage():
 def test_every_recipe_runs_as_written(tmp_path, main_in_process):
     """Each recipe, as its header's command runs it, on CIFAR files in the real format (a few steps of a small
     batch: their accuracy is cited, not reproduced here): it trains, and its options are the run's."""
-    from acc_trainer.config import load_yaml
     from conftest import REPO
     from test_data import write_cifar
+
+    from acc_trainer.config import load_yaml
 
     write_cifar(tmp_path / "c10", "cifar10", train_per_file=8, test=16, classes=10)
     write_cifar(tmp_path / "c100", "cifar100", train_per_file=8, test=16, classes=100)
@@ -288,11 +288,11 @@ def test_augmentation_helps_a_small_training_set(monkeypatch, tmp_path):
     few to learn every position; crops and flips show more of them (85.9 % -> 92.8 % on this CPU, on one thread;
     -s prints it)."""
     from accelerate.state import AcceleratorState, GradientState
+    from conftest import REPO
     from torch.utils.data import TensorDataset
 
     import acc_trainer
     from acc_trainer.models import LeNet
-    from conftest import REPO
 
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     from shapes import load

@@ -25,8 +25,9 @@ def test_a_sound_workload_passes_every_row(project):
 
 
 def _check(**workload):
-    import acc_trainer
     from my_data import load
+
+    import acc_trainer
 
     train, evaluation = load()
     arguments = {"model": None, "train": train, "evaluation": evaluation, **workload}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BIN, REPO, _env, check, free_port, launch, metrics, run_cli, run_here, summary
 from safetensors.torch import load_file
 
 from acc_trainer.checkpoints import complete_checkpoints
 from acc_trainer.config import ConfigError
-from conftest import BIN, REPO, _env, check, free_port, launch, metrics, run_cli, run_here, summary
 
 INTERRUPT = REPO / "tests" / "interrupt.py"
 # 16 steps per epoch, 3 epochs; accumulation (2 micro-batches a step), a cosine schedule with warmup and a
@@ -358,10 +358,10 @@ def test_best_checkpoint_and_final_weights(train_in_process):
 
     from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
+    from acc_trainer.evaluation import evaluate
+    from acc_trainer.loaders import build_loaders, dataloader_config
     from acc_trainer.losses import cross_entropy
     from acc_trainer.metrics import METRICS
-    from acc_trainer.loaders import build_loaders, dataloader_config
-    from acc_trainer.evaluation import evaluate
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

@@ -7,10 +7,10 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-
-from acc_trainer.flags import parse_config
-from acc_trainer.config import ConfigError, TrainConfig
 from conftest import BIN, REPO, check, run_cli
+
+from acc_trainer.config import ConfigError, TrainConfig
+from acc_trainer.flags import parse_config
 
 FLAGS = {"--" + f.name.replace("_", "-") for f in fields(TrainConfig)}
 

@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from acc_trainer.config import ConfigError, TrainConfig
-from acc_trainer.components import build_data
 from conftest import check
 
+from acc_trainer.components import build_data
+from acc_trainer.config import ConfigError, TrainConfig
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")

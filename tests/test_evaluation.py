@@ -10,7 +10,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from conftest import check, launch, metrics, run_here, summary
 
 # An MLP on the generated 10-class images whose evaluation cannot improve (lr 1e-9): the first evaluation is
@@ -257,6 +256,7 @@ def test_best_means_one_thing_everywhere(tmp_path, capsys, torch_on_one_thread):
     name the same evaluation, even when another metric peaks elsewhere (here an "accuracy" that falls at every
     evaluation while the loss falls too)."""
     from conftest import reset_accelerate
+
     import acc_trainer
     from acc_trainer.tools.report import report
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import time
-
-import shutil
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ def test_max_steps_wins_over_epochs(train_in_process):
 
 
 def test_bench_output_dir_is_the_bench_folder(tmp_path):
-    from acc_trainer.tools.bench import parse
     from acc_trainer.config import ConfigError
+    from acc_trainer.tools.bench import parse
 
     args, cfg = parse(["--output-dir", str(tmp_path / "b"), "--model-args", "{width: 3}", "--metrics", "accuracy,top5"])
     assert args.bench_dir == str(tmp_path / "b") and cfg.output_dir is None
@@ -350,9 +349,10 @@ def test_class_labels_out_of_range_are_one_line_and_a_stray_one_a_note(tmp_path,
     """A negative label, or one past the classes a dataset declares, is one line at start (not an IndexError
     inside the loss at whatever step first draws it); a count inferred from the largest label while fewer labels
     appear gets a note: one label of 57 in a 4-class set would otherwise make a 58-class head in silence."""
+    from conftest import reset_accelerate
+
     import acc_trainer
     from acc_trainer.config import ConfigError
-    from conftest import reset_accelerate
 
     class Declared(torch.utils.data.TensorDataset):
         classes = ["a", "b", "c", "d"]
@@ -414,7 +414,8 @@ def test_predict_stopped_by_sigterm_leaves_no_temporary_files(tmp_path):
                   "--progress", "none", "--output-dir", run, cwd=tmp_path))
     output = tmp_path / "rows.jsonl"
     predicting = subprocess.Popen([sys.executable, "-m", "acc_trainer", "predict", str(run), "--output", str(output),
-                                   "--eval-batch-size", "100", "--dataset-args", "{eval_size: 4000}"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                   "--eval-batch-size", "100", "--dataset-args", "{eval_size: 4000}"], cwd=tmp_path,
+                                  env=_env(), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not list(tmp_path.glob(".predict-*")) and time.time() < deadline and predicting.poll() is None:

@@ -8,11 +8,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import run_here
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
-
-from conftest import run_here
 
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from safetensors.torch import load_file
 from accelerate.commands.config.config_args import load_config_from_file
-
 from conftest import CONFIGS, check, launch, metrics, run_here, summary
+from safetensors.torch import load_file
 
 EXPECTED_CONFIGS = {
     "cpu.yaml": ("NO", 1, 1),

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 import user_project
 from conftest import BIN, REPO, _env, check, free_port, launch, metrics, reset_accelerate, run_cli, summary
-
+from safetensors.torch import load_file
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
@@ -41,10 +39,11 @@ def fit(project):
 
 
 def test_fit_trains_a_plain_module_with_its_own_loss_and_metrics(fit, project, capsys):
-    import acc_trainer
     from my_data import load
     from my_metrics import smooth_ce, top1_error
     from my_model import Net
+
+    import acc_trainer
 
     acc_trainer.set_seed(0)
     train, evaluation = load()
@@ -88,9 +87,10 @@ def test_fit_chooses_the_loss_from_the_targets(fit, project):
 
 
 def test_fit_refuses_what_it_cannot_use(fit, project):
-    from acc_trainer import ConfigError
     from my_data import load
     from my_model import Net
+
+    from acc_trainer import ConfigError
 
     with pytest.raises(ConfigError, match="fit: unknown option 'learning_rate'"):
         fit(Net(4), *load(), learning_rate=0.1)

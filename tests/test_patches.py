@@ -15,11 +15,11 @@ from accelerate import Accelerator, PartialState
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState
 from accelerate.utils import extract_model_from_parallel
+from conftest import reset_accelerate
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils import worker
 
 from acc_trainer import patches
-from conftest import reset_accelerate
 
 
 @pytest.fixture

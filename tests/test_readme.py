@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from safetensors.torch import load_file
-
 from conftest import REPO, _env, metrics, summary
+from safetensors.torch import load_file
 
 README = REPO / "README.md"
 MARKER = "<!-- test: runs -->"

@@ -8,9 +8,8 @@ import subprocess
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import BIN, CONFIGS, _env, check, free_port, launch, run_here, summary
+from safetensors.torch import load_file
 
 JOB = ["--model", "mlp", "--train-size", "1024", "--eval-size", "256", "--batch-size", "64", "--epochs", "2",
        "--max-steps", "24", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"]
@@ -109,8 +108,8 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
 
     # A checkpoint needs the engine that wrote it.
     from acc_trainer.checkpoints import read_state
-    from acc_trainer.flags import parse_config
     from acc_trainer.config import ConfigError
+    from acc_trainer.flags import parse_config
 
     cfg = parse_config([*SHARDED_JOB, "--output-dir", str(tmp_path / "ddp"), "--checkpoint-every", "10"])
     with pytest.raises(ConfigError, match=f"was written under {engine}; resume it with the same accelerate config "

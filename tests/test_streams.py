@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
-
 import streams_data
+import torch
 from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, run_here, summary
+from safetensors.torch import load_file
 
 KINDS = ("numbers", "positioned", "parquet", "parquet_shuffled", "map", "text", "own_loss")
 OPTIONS = {"epochs": 2, "batch_size": 12, "checkpoint_every": "5", "log_every": 2}

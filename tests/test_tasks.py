@@ -14,9 +14,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from conftest import REPO, metrics, run_here, summary
+from torch import nn
 
 EXAMPLES = REPO / "examples"
 # SGD on a small GPT-2 is not chaotic here: a 1-ulp nudge of the initial weights moves 4 steps by 1.2e-7.

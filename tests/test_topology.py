@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, summary
+from safetensors.torch import load_file
 
 PROBE = REPO / "tests" / "topology_probe.py"
 BASE = {"train_size": 1024, "eval_size": 256, "batch_size": 64, "epochs": 2, "max_steps": 24, "log_every": 4}

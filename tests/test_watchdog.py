@@ -79,7 +79,8 @@ def test_a_process_whose_data_hangs_is_named_with_its_stacks(tmp_path):
 def test_a_stopped_process_is_named_within_the_bound(tmp_path):
     """SIGSTOP to process 1 mid-run (as a machine swapping, or a debugger): its heartbeat stops; process 0 names
     it, ends it and itself, and the launcher returns within seconds of the bound."""
-    (tmp_path / "counting.py").write_text(SLOW_DATA.replace('if os.environ.get("RANK") == "1":', "time.sleep(0.002)\n        if False:"))
+    steady = SLOW_DATA.replace('if os.environ.get("RANK") == "1":', "time.sleep(0.002)\n        if False:")
+    (tmp_path / "counting.py").write_text(steady)  # 2 ms a sample on both processes, no hang
     out = tmp_path / "run"
     run = launch(*JOB, "--dataset", "counting:load", "--hang-timeout", "3", "--output-dir", out, cwd=tmp_path)
     beat = out / ".heartbeats" / "1"

@@ -26,14 +26,14 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from torch.utils.data import TensorDataset
 
+from acc_trainer.api import train
 from acc_trainer.components import build_data, build_model
 from acc_trainer.config import make_config
 from acc_trainer.data import Data
+from acc_trainer.evaluation import evaluate
+from acc_trainer.loaders import build_loaders, dataloader_config
 from acc_trainer.losses import cross_entropy
 from acc_trainer.metrics import AUROC, F1, METRICS, Confusion, Precision, Recall
-from acc_trainer.loaders import build_loaders, dataloader_config
-from acc_trainer.api import train
-from acc_trainer.evaluation import evaluate
 from acc_trainer.processes import ranks_agree
 
 

@@ -27,8 +27,8 @@ import json
 import math
 import os
 import shutil
-import sys
 import socket
+import sys
 import tempfile
 import traceback
 from dataclasses import replace
@@ -45,8 +45,8 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate
           config: TrainConfig | None = None, steps: int = 8, output_dir: str | None = None, **options) -> list[dict]:
     """Checks a user's workload, given as to `fit`. Prints the table; returns its rows (dicts with
     check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed)."""
-    from ..components import from_objects
     from ..api import fit_config
+    from ..components import from_objects
 
     cfg = replace(fit_config(model, train_data, config, options, collate_fn, forward), output_dir=None)
     # One thread per process: this process may have run OpenMP work already (building the data, say),

@@ -13,12 +13,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..flags import Parser
 from ..config import ConfigError
-from ..plots import read_metrics
-from .figures import plot_comparison
+from ..flags import Parser
 from ..metrics import best_evaluation, ranked_by
+from ..plots import read_metrics
 from ..progress import format_metric, make_console
+from .figures import plot_comparison
 
 
 def build_parser() -> argparse.ArgumentParser:
