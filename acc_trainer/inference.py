@@ -97,8 +97,8 @@ def _evaluate(cfg: TrainConfig, job: components.Workload, dataset, group: proces
     accelerator, model, loader = _prepared(cfg, job, dataset, group)
     loss = training_loss(cfg, checked) if checked.eval_loss else None  # as the run evaluated (--label-smoothing)
     with stream_faults(str):
-        results = evaluation.evaluate(accelerator, model, loader, loss, checked.metrics, guarded=reads_files(dataset), forward_fn=job.forward,
-                                      tables=checked.tables)
+        results = evaluation.evaluate(accelerator, model, loader, loss, checked.metrics, guarded=reads_files(dataset),
+                                      forward_fn=job.forward, tables=checked.tables)
     if results.pop("unreadable", None):
         raise ConfigError("some samples cannot be read; acc-trainer check-data lists them")
     return results
@@ -117,8 +117,9 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
     writer = Writer(output, size) if accelerator.is_main_process else None
     rows, index, unreadable = [], 0, []
     try:
-        with _stopped_by_signals(output), stream_faults(str), torch.no_grad(), _progress(accelerator.is_main_process and output is not None,
-                                                             None if is_stream(dataset) else len(loader)) as advance:
+        shown = accelerator.is_main_process and output is not None
+        with _stopped_by_signals(output), stream_faults(str), torch.no_grad(), \
+                _progress(shown, None if is_stream(dataset) else len(loader)) as advance:
             for batch, real, bad in real_batches(accelerator, loader, reads_files(dataset)):
                 unreadable += bad
                 outputs, _ = (job.forward or forward)(model, batch)

@@ -37,7 +37,7 @@ from .processes import Group
 from .setup import Run, setup, stream_position
 from .stopping import StopSignals, TrainingStopped
 from .summary import finish
-from .watchdog import Idle, Watchdog
+from .watchdog import Watchdog
 
 
 def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
