@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 
 from . import processes
@@ -68,7 +69,15 @@ def save_weights(accelerator: Accelerator, model, folder: Path) -> None:
     tmp = folder / ".tmp-weights"  # only the main process writes files (the others may help gather the weights)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.save_model(model, tmp)
+    error = None
+    try:
+        accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
+    except WRITE_ERRORS as e:
+        error = e
+    if accelerator.num_processes > 1:  # reached by every process, whether its part failed or not: no one waits alone
+        accelerator.gather(torch.tensor([error is not None], device=accelerator.device))
+    if error is not None:
+        raise error
     if accelerator.is_main_process:
         names = sorted(p.name for p in tmp.iterdir())
         for name in names:

@@ -66,7 +66,8 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
         with contextlib.suppress(OSError):
-            (self.folder / str(self.rank)).unlink()
+            (self.folder / str(self.rank)).unlink()  # none yet in a run shorter than a second
+        with contextlib.suppress(OSError):
             self.folder.rmdir()  # the last one out (the folder may hold others' still)
 
     def at(self, what: str, step: int | None = None) -> None:

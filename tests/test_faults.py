@@ -95,11 +95,14 @@ class _RunsCode:
 
 
 def test_a_checkpoint_whose_rng_states_cannot_be_restored_is_refused(tmp_path, main_in_process, finished_run):
+    from acc_trainer.checkpoints import write_sums
+
     out = copy_of(finished_run[0], tmp_path)  # a finished run, FINISHED: checkpoints at steps 2 and 4
     checkpoint = out / "checkpoints" / "step-00000002"
     marker = tmp_path / "code-ran"
     with open(checkpoint / "random_states_0.pkl", "wb") as f:
         pickle.dump({"random_state": _RunsCode(marker)}, f)
+    write_sums(checkpoint)  # its digests rewritten to match: the states are checked all the same
     code, _, stderr = main_in_process(*FINISHED, "--output-dir", out, "--resume", checkpoint)
     assert code == 2 and stderr.count("\n") == 1, stderr
     assert (f"acc-trainer: error: checkpoint {checkpoint}: the random number generator states of process 0 cannot be "
@@ -111,6 +114,7 @@ def test_a_checkpoint_whose_rng_states_cannot_be_restored_is_refused(tmp_path, m
     states = torch.load(checkpoint.parent / "step-00000004" / "random_states_0.pkl", weights_only=False)
     states["torch_manual_seed"] = torch.random.default_generator.get_state()[:0]  # empty: set_rng_state fails
     torch.save(states, checkpoint / "random_states_0.pkl")
+    write_sums(checkpoint)
     code, _, stderr = main_in_process(*FINISHED, "--output-dir", out, "--resume", checkpoint)
     assert code == 2 and "the random number generator states of process 0 cannot be restored" in stderr
 
@@ -270,7 +274,8 @@ def test_run_files_that_do_not_fit(tmp_path):
     assert result.returncode == 1
     assert result.stderr == (f"acc-trainer: writing {out}/summary.json failed: File too large (the file size limit, "
                              "ulimit -f, is 1,200 bytes); no complete checkpoint was written\n")
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "config.yaml", "metrics.jsonl", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "SHA256SUMS", "config.yaml", "metrics.jsonl",
+                                                     "model.safetensors"]
 
 
 def _small_disk(path, size):

@@ -59,7 +59,8 @@ def test_what_each_patch_relies_on_is_where_it_was_written_for():
     assert {"is_lomo_available", "inspect"} <= set(vars(accelerate.optimizer))
     assert {"is_deepspeed_available", "extract_model_from_parallel"} <= set(vars(accelerate.utils.other))
     assert "is_deepspeed_available()" in inspect.getsource(extract_model_from_parallel)
-    assert str(inspect.signature(accelerate.utils.other.is_deepspeed_available)) == "()"
+    # the original (the module attribute may be this process's patched one, from an earlier test)
+    assert str(inspect.signature(accelerate.utils.imports.is_deepspeed_available)) == "()"
     assert isinstance(PartialState._shared_state, dict) and isinstance(AcceleratorState._shared_state, dict)
     assert "self.distributed_type = DistributedType.FSDP" in inspect.getsource(AcceleratorState.__init__)
     assert "fsdp_plugin" in inspect.getsource(AcceleratorState.__init__)
