@@ -59,8 +59,8 @@ def flops_per_sample(model: torch.nn.Module, batch, forward_fn=None) -> int:
     try:
         return _counted(model, batch, forward_fn)
     except Exception as error:  # the count is a figure of the run, not a reason to stop it
-        warnings.warn(f"model FLOPs not counted ({type(error).__name__}: {error}): the run reports 0 FLOP/s and "
-                      "no MFU", stacklevel=2)
+        warnings.warn(f"model FLOPs not counted ({type(error).__name__}: {error}): the summary gives no "
+                      "flops_per_s or mfu", stacklevel=2)
         return 0
 
 

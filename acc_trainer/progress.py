@@ -6,8 +6,9 @@ Other processes get a `Progress` that shows nothing, so the loop never asks whic
 from __future__ import annotations
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
 from rich.table import Table
-from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 def make_console() -> Console:

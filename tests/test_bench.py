@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_cli
 from test_reports import assert_png
-
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")

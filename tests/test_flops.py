@@ -10,7 +10,6 @@ from torch import nn
 
 from acc_trainer.measure import flops_per_sample
 
-
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
 TOKENS, WIDTH, LAYERS, VOCAB = 64, 64, 2, 96
@@ -44,8 +43,9 @@ def close(counted: int, expected: int) -> bool:
 
 
 def test_a_gpt2_run_publishes_the_flops_of_every_matrix_multiply(tmp_path):
-    import acc_trainer
     from accelerate.state import AcceleratorState, GradientState
+
+    import acc_trainer
 
     ids = torch.randint(0, VOCAB, (16, TOKENS), generator=torch.Generator().manual_seed(0))
     samples = [{"input_ids": row, "labels": row} for row in ids]
@@ -128,8 +128,9 @@ def test_counting_leaves_the_model_and_the_random_numbers_as_they_were(reads_val
 def test_a_model_the_counter_cannot_run_still_trains(tmp_path):
     """The count runs one sample; this model refuses batches of one (as any model the counter cannot run
     fails it): the run goes on, warns, and publishes no FLOP/s."""
-    import acc_trainer
     from accelerate.state import AcceleratorState, GradientState
+
+    import acc_trainer
 
     class PairsOnly(nn.Linear):
         def forward(self, x):

@@ -7,9 +7,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import yaml
-
 from conftest import check, run_cli, run_here, summary
-
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")

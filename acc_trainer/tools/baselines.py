@@ -5,8 +5,9 @@ __getitem__), zero_grad / forward / backward / step, with autocast (and a grad s
 channels-last and torch.compile when the options ask for them. `raw`: one process. `raw-ddp`: torch
 DDP with a DistributedSampler, one process per device, started by torchrun. `dp`: nn.DataParallel
 over all GPUs of one process. `ceiling`: no loader at all, the same model and optimizer stepping on
-a few batches already on the device, with acc_trainer's allocator setting: the compute limit. They train the same model on the same data
-(acc_trainer's own builders) for the same number of steps, and print one JSON line with their speed.
+a few batches already on the device, with acc_trainer's allocator setting: the compute limit. They
+train the same model on the same data (acc_trainer's own builders) for the same number of steps, and
+print one JSON line with their speed.
 
     python -m acc_trainer.tools.baselines --loop raw --steps 50 --config '{"model": "lenet", "dataset": "fake"}'
     torchrun --nproc_per_node 2 -m acc_trainer.tools.baselines --loop raw-ddp --steps 50 --config '...'

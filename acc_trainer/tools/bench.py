@@ -23,8 +23,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..flags import Parser, add_training_options, config_from
 from ..config import ConfigError, TrainConfig
+from ..flags import Parser, add_training_options, config_from
 from ..progress import make_console
 
 BASELINES = ("raw", "raw-ddp", "dp", "ceiling")
