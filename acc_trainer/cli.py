@@ -76,10 +76,12 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"unknown command {argv[0]!r}{hint}")
         cfg = parse_config(argv)
         from .api import train  # imported here so that --help and input errors answer at once
-        from .patches import keep_freed_memory
+        from .patches import keep_freed_memory, leave_without_teardown
 
         keep_freed_memory()  # the command's process is the trainer's own (docs/performance.md)
         train(cfg)
+        if several:
+            leave_without_teardown(0)
     except ConfigError as e:
         where = f" (rank {rank})" if several else ""
         print(f"acc-trainer: error{where}: {e}", file=sys.stderr)
@@ -96,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
                 import torch.distributed as dist
 
                 dist.barrier()
+            if several:
+                from .patches import leave_without_teardown
+
+                leave_without_teardown(e.code)
             sys.exit(e.code)
         if lost_contact(e):
             print(f"acc-trainer: error (rank {rank}): lost contact with another process, which died, hung or lost "

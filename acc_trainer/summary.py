@@ -68,7 +68,8 @@ def save_weights(accelerator: Accelerator, model, folder: Path) -> None:
     `folder/SHA256SUMS` (`evaluate`/`predict` verify them). A run stopped while writing leaves no half file."""
     tmp = folder / ".tmp-weights"  # only the main process writes files (the others may help gather the weights)
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
+    accelerator.wait_for_everyone()  # before any process makes the folder again (save_model does, on each)
     error = None
     try:
         accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
