@@ -270,7 +270,7 @@ def log_interval(r: Run) -> None:
         "samples_per_s": steps * cfg.batch_size / elapsed,
         "step_time_s": elapsed / steps,
         "data_time_s": waited / steps,
-        "flops_per_s": r.trained.flops * steps * cfg.batch_size / elapsed,
+        "flops_per_s": r.trained.flops * steps * cfg.batch_size / elapsed if r.trained.flops else None,
     }
     r.output.files.log(record)
     if cfg.log_with:
