@@ -310,7 +310,7 @@ def test_a_hung_process_fails_the_others_within_the_timeout(tmp_path):
     """Two machines (simulated on this one); machine 1's process stops answering (SIGSTOP)."""
     port = free_port()
     job = ["-m", "acc_trainer", "--model", "lenet", "--train-size", "4096", "--batch-size", "64", "--epochs", "100",
-           "--dist-timeout", "5", "--progress", "plain"]
+           "--dist-timeout", "5", "--progress", "plain", "--hang-timeout", "0"]  # the timeout alone (no watchdog)
     machines = [subprocess.Popen(
         [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
          "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *job,
