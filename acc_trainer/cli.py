@@ -1,7 +1,8 @@
 """The command line: `acc-trainer [options]` / `python -m acc_trainer [options]` trains;
 `acc-trainer report RUN_DIR ...` compares runs; `acc-trainer bench ...` measures speed.
 
-`acc-trainer check` proves the guarantees on a workload; `acc-trainer check-data` reads every sample.
+`acc-trainer check` proves the guarantees on a workload; `acc-trainer check-data` reads every sample;
+`acc-trainer launch ...` is `accelerate launch ...` with the trainer's exit codes (launching.py).
 The flags are built from `TrainConfig` (flags.py); the sub-commands live in the tools sub-package,
 imported only when named. A user mistake prints one line on stderr and exits with code 2.
 """
@@ -14,7 +15,7 @@ import sys
 from .config import ConfigError, did_you_mean, first_line
 from .flags import parse_config
 
-COMMANDS = ("report", "bench", "check", "check-data", "evaluate", "predict")
+COMMANDS = ("launch", "report", "bench", "check", "check-data", "evaluate", "predict")
 
 
 def check_data(argv: list[str]) -> None:
@@ -57,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
             from .tools.report import main as report
 
             return report(argv[1:])
+        if argv[:1] == ["launch"]:
+            from .launching import main as launch
+
+            return launch(argv[1:])
         if argv[:1] == ["check-data"]:
             return check_data(argv[1:])
         if argv[:1] in (["evaluate"], ["predict"]):
@@ -83,8 +88,17 @@ def main(argv: list[str] | None = None) -> None:
         if several:
             leave_without_teardown(0)
     except ConfigError as e:
-        where = f" (rank {rank})" if several else ""
-        print(f"acc-trainer: error{where}: {e}", file=sys.stderr)
+        line = f"acc-trainer: error{f' (rank {rank})' if several else ''}: {e}"
+        from .launching import tell_launcher
+
+        # Every process meets the same bad input: under torch's launcher each hands its line over and only the
+        # main process prints it; `acc-trainer launch` shows one that another machine's alone met (docs/scaling.md).
+        if not (several and tell_launcher(line)) or rank == "0":
+            print(line, file=sys.stderr)
+        if several:  # ends with 2, not with gloo's abort in the teardown, as a finished process does
+            from .patches import leave_without_teardown
+
+            leave_without_teardown(2)
         sys.exit(2)
     except Exception as e:
         from .stopping import TrainingStopped, lost_contact

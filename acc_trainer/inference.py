@@ -118,9 +118,10 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
     rows, index, unreadable = [], 0, []
     try:
         shown = accelerator.is_main_process and output is not None
-        with _stopped_by_signals(output), stream_faults(str), torch.no_grad(), \
+        with _stopped_by_signals(output) as stop_if_asked, stream_faults(str), torch.no_grad(), \
                 _progress(shown, None if is_stream(dataset) else len(loader)) as advance:
             for batch, real, bad in real_batches(accelerator, loader, reads_files(dataset)):
+                stop_if_asked()
                 unreadable += bad
                 outputs, _ = (job.forward or forward)(model, batch)
                 # every process's real outputs, in process order: the global batch's, in the dataset's order
@@ -149,22 +150,34 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
 @contextmanager
 def _stopped_by_signals(output: Path | None):
     """SIGTERM or SIGINT while predicting ends it with one line and exit 128 + the signal, after the unfinished
-    file's folder is removed (`_predict`'s finally): the signal's default would end the process before it."""
+    file's folder is removed (`_predict`'s finally): the signal's default would end the process before it.
+    Yields `stop_if_asked()`, which the loop calls before each batch: the handler only takes note, since an
+    exception raised from a handler lands wherever the main thread happens to be (inside `Thread.start`, say,
+    which it leaves broken). A second signal stops at once, for a batch that never comes."""
     import signal
     import threading
 
+    asked = []
+
+    def stop_if_asked():
+        if asked:
+            name = signal.Signals(asked[0]).name
+            raise TrainingStopped(f"predict stopped by {name}" + (f"; nothing was written to {output}" if output else ""),
+                                  code=128 + asked[0])
+
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield stop_if_asked
         return
 
-    def stop(number, frame):
-        name = signal.Signals(number).name
-        raise TrainingStopped(f"predict stopped by {name}" + (f"; nothing was written to {output}" if output else ""),
-                              code=128 + number)
+    def note(number, frame):
+        asked.append(number)
+        if len(asked) > 1:
+            stop_if_asked()
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        yield stop_if_asked
+        stop_if_asked()  # a signal during the last batch
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

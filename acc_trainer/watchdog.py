@@ -59,6 +59,9 @@ class Watchdog:
 
     def __enter__(self) -> "Watchdog":
         self.folder.mkdir(parents=True, exist_ok=True)
+        # At once, not a second later: a process stopped before its first heartbeat could not be named by its
+        # pid, nor ended by the others (`acc-trainer check --faults` stops one in a short run's first second).
+        self._beat(time.monotonic())
         self._thread.start()
         return self
 

@@ -1,7 +1,10 @@
 """`acc-trainer check` on a sound user workload and on workloads broken in each of the ways that
-silently make "the same run on 1 or N processes" or "a resumed run is the same run" false."""
+silently make "the same run on 1 or N processes" or "a resumed run is the same run" false; `check --faults`
+on the sound one, and with a resume broken on purpose."""
 
 from __future__ import annotations
+
+import re
 
 from conftest import BIN, run_cli
 
@@ -91,3 +94,58 @@ def test_a_failing_check_exits_1_from_the_command_line(project):
     assert "3 check(s) failed" in result.stdout
     lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") >= 4}
     assert "FAIL" in lines["BatchNorm across processes"] and "without --sync-bn" in lines["BatchNorm across processes"]
+
+
+def _table(stdout: str) -> dict:
+    """The printed table as {check: [check, result, measured, cause]}, a cell folded over lines joined."""
+    rows, name = {}, None
+    for line in stdout.splitlines():
+        cells = [cell.strip() for cell in line.split("│")[1:-1]]
+        if len(cells) != 4:
+            continue
+        if cells[0]:
+            name, rows[cells[0]] = cells[0], cells
+        else:
+            rows[name] = [" ".join(filter(None, pair)) for pair in zip(rows[name], cells)]
+    return rows
+
+
+def test_faults_a_killed_and_a_stopped_process_end_the_run_which_resumes_bit_identical(project):
+    """`check --faults`, with the watchdog's bound set by the user: the kill ends the survivor at once (its
+    collective fails), the stop within the bound and the check's slack; both runs resume to the same bits."""
+    result = run_cli("check", "--faults", "--hang-timeout", "3", "--model", "my_model:build", "--dataset", "my_data:load",
+                     "--batch-size", "64", "--optimizer", "sgd", "--lr", "0.05", cwd=project,
+                     command=[str(BIN / "acc-trainer")])
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    rows = _table(result.stdout)
+    ended = re.compile(r"every process ended ([\d.]+) s after it \(at most 13 s: --hang-timeout 3 s \+ 10 s\); (.*)")
+    kill, stall = (rows[f"{signal} to process 1 after the step-4 checkpoint"] for signal in ("SIGKILL", "SIGSTOP"))
+    took, said = ended.fullmatch(kill[2]).groups()
+    assert kill[1] == "PASS" and float(took) < 3, kill  # by the failed collective, not the watchdog
+    assert said.startswith("process 0: lost contact with another process: "), said
+    took, said = ended.fullmatch(stall[2]).groups()
+    assert stall[1] == "PASS" and 3 < float(took) <= 13 and said == "the watchdog named process 1", stall
+    for signal in ("SIGKILL", "SIGSTOP"):
+        resumed = rows[f"resumed after {signal} (--resume auto)"]
+        assert resumed[1:3] == ["PASS", "from step 4: bit-identical to the uninterrupted 2-process run"], resumed
+    assert "every check passed" in result.stdout
+
+
+def test_faults_a_resume_that_starts_over_fails(project, monkeypatch):
+    """A run that starts over ends bit-identical too: the row fails it for not starting from the checkpoint."""
+    from my_data import load
+    from my_model import Net
+
+    import acc_trainer
+    import acc_trainer.checkpoints
+
+    monkeypatch.setattr(acc_trainer.checkpoints, "find_resume", lambda cfg, out: (None, []))  # inherited by the forks
+    train, evaluation = load()
+    rows = {r["check"]: r for r in acc_trainer.check(Net(4), train, evaluation, steps=4, faults=["kill"], **OPTIONS)}
+    assert list(rows) == ["SIGKILL to process 1 after the step-2 checkpoint", "resumed after SIGKILL (--resume auto)"]
+    stop = rows["SIGKILL to process 1 after the step-2 checkpoint"]
+    # The check's own bound: 20 x the step time, at least 5 s.
+    assert stop["result"] == "PASS" and "(at most 15 s: --hang-timeout 5 s + 10 s)" in stop["measured"], stop
+    resumed = rows["resumed after SIGKILL (--resume auto)"]
+    assert resumed["result"] == "FAIL" and resumed["measured"] == "started from the beginning, not the step-2 checkpoint"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import CONFIGS, check, launch, metrics, run_here, summary
+from conftest import BIN, CONFIGS, _env, check, free_port, launch, metrics, run_here, summary
 from safetensors.torch import load_file
 
 EXPECTED_CONFIGS = {
@@ -54,13 +56,50 @@ def test_launched_runs_form_the_expected_group(tmp_path, launcher_args, world):
     assert result.stdout.count("acc_trainer mlp on synthetic") == 1
 
 
-def test_batch_that_does_not_split_over_processes(tmp_path):
-    result = launch("--batch-size", "63", "--output-dir", tmp_path / "run",
-                    launcher_args=["--multi_gpu", "--num_processes", "2"])
-    assert result.returncode != 0
-    assert "acc-trainer: error (rank 0): --batch-size 63 does not split into 2 processes x 1" in result.stderr
-    assert "Traceback" not in result.stderr.split("acc-trainer: error")[0]
+def test_bad_input_on_two_processes_is_one_line_and_exit_2(tmp_path):
+    """`acc-trainer launch`: torch's launcher would exit 1 with a traceback, and every process would print the line."""
+    def launched(*args):
+        return subprocess.run([str(BIN / "acc-trainer"), "launch", "--config_file", str(CONFIGS / "cpu_ddp.yaml"),
+                               "--main_process_port", str(free_port()), "-m", "acc_trainer", *args, "--output-dir",
+                               str(tmp_path / "run")], capture_output=True, text=True, env=_env(), timeout=300)
+
+    found_in_the_group = launched("--batch-size", "63")  # the other process may be ended before it reaches the check
+    assert found_in_the_group.returncode == 2
+    assert found_in_the_group.stderr.splitlines() == ["acc-trainer: error (rank 0): --batch-size 63 does not split into 2 "
+                                                      "processes x 1 accumulation micro-batches; use a multiple of 2"]
+    found_by_both = launched("--epochs", "-1")  # both processes meet it at once, before any group
+    assert found_by_both.returncode == 2
+    assert found_by_both.stderr.splitlines() == ["acc-trainer: error (rank 0): --epochs must be positive, got -1"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_run_ends_with_its_processes_exit_code_and_at_most_one_line(tmp_path, monkeypatch, capsys):
+    """What `acc-trainer launch` makes of torch's report of failed processes (ChildFailedError; the processes'
+    bad-input lines handed over as in a run): the first failure decides, except that bad input on any process
+    is bad input (the launcher may end the others first); a line only another machine met is shown."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from acc_trainer.launching import _failed, tell_launcher
+
+    def failure(rank, exitcode, told=None):
+        path = tmp_path / f"{rank}-{exitcode}.json"
+        if told:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+            assert tell_launcher(told)
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+    bad = "acc-trainer: error (rank {}): --batch-size 63 does not split"
+    cases = [  # failures in the order torch saw them, then the exit code and stderr expected
+        ({0: failure(0, 2, bad.format(0)), 1: failure(1, -15, bad.format(1))}, 2, ""),
+        ({1: failure(1, 2, bad.format(1)), 0: failure(0, 1)}, 2, bad.format(1) + "\n"),  # rank 1's data alone
+        ({1: failure(1, 1), 0: failure(0, -15)}, 1, "acc-trainer: process 1 failed with exit code 1 (its own output "
+                                                    "above says why)\n"),
+        ({1: failure(1, -9), 0: failure(0, 1)}, 137, "acc-trainer: process 1 was ended by SIGKILL\n"),
+        ({0: failure(0, 143), 1: failure(1, 143)}, 143, ""),  # stopped by SIGTERM: the main process said so
+    ]
+    for failures, code, stderr in cases:
+        assert _failed(ChildFailedError("acc_trainer", failures)) == code
+        assert capsys.readouterr().err == stderr
 
 
 def test_linear_regression_learns_two_and_three(tmp_path):

@@ -18,6 +18,15 @@ fingerprint of every training sample the model is given, per process, to compare
 
 A difference counts as a topology dependence only when it is larger than what chaos explains:
 tolerance = max(1e-5, 10 x the nudged run's drift).
+
+`--faults` (`faults=True`) asks another question, of the same forked jobs: does a run that loses a process
+stop, clearly and soon, and does `--resume auto` then finish it as if nothing had happened? The job runs on 2
+processes with a checkpoint half-way; process 1 sends itself SIGKILL (fault "kill") or SIGSTOP (fault "stall")
+at its first training forward after that checkpoint, and the check measures the time from the signal until
+every process has ended, reads what the survivor said, resumes in the same folder and compares the final
+weights bit for bit with the uninterrupted 2-process job ("two"). It replaces the guarantee rows rather than
+adding to them: it waits out a watchdog bound and answers a separate question; each mode stays cheap enough
+to run often.
 """
 
 from __future__ import annotations
@@ -25,26 +34,41 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import multiprocessing.connection
 import os
+import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, first_line
 
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
+FAULTS = {"kill": signal.SIGKILL, "stall": signal.SIGSTOP}
+# --faults' default --hang-timeout: the watchdog's own rule (20 x the median step time) over a floor of 5 s
+# instead of 60 s: the check's short runs hold no long first step to wait for (the watchdog still gives the
+# first step and checkpoint writes 10 x the bound), and a stall is then named in seconds, not minutes.
+HANG_FLOOR = 5.0
+# The time a stopped run may take beyond the bound: the watchdog looks once a second, tells a stopped process
+# by a heartbeat older than watchdog.STALE (3 s), and the processes take a moment to end on a loaded machine.
+SLACK = 10.0
 
 
 def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
-          config: TrainConfig | None = None, steps: int = 8, output_dir: str | None = None, **options) -> list[dict]:
+          config: TrainConfig | None = None, steps: int = 8, output_dir: str | None = None, faults=False,
+          **options) -> list[dict]:
     """Checks a user's workload, given as to `fit`. Prints the table; returns its rows (dicts with
-    check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed)."""
+    check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed).
+    `faults`: True (or names from FAULTS: "kill", "stall") for the fault rows instead of the guarantees;
+    `hang_timeout=S` sets the watchdog's bound for them."""
     from ..api import fit_config
     from ..components import from_objects
 
@@ -53,18 +77,53 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate
     # and GNU OpenMP's thread pool does not survive a fork: a forked child that uses it hangs.
     return Checker(cfg, lambda cfg: from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
                                                  forward or cfg.forward), steps, output_dir,
-                   threads=1).run()
+                   threads=1).run(fault_names(faults))
+
+
+def fault_names(faults) -> list[str]:
+    """`faults` as given (False, True, names, or "kill,stall") as a list of FAULTS' names."""
+    if faults is True:
+        return list(FAULTS)
+    names = [n.strip() for n in faults.split(",")] if isinstance(faults, str) else list(faults or [])
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise ConfigError(f"--faults: unknown fault {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
+    return names
 
 
 def _named_workload(cfg: TrainConfig):
+    """The workload `cfg` names, built in a job's process (after its process group is formed: the main process
+    reads or downloads the data first)."""
     from accelerate.utils import set_seed
 
     from ..components import build_workload
-    from ..processes import start as start_processes
 
-    start_processes(cfg)
     set_seed(cfg.seed)
     return build_workload(cfg)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault for one job: process `rank` sends itself `signal` at its first training forward after the
+    checkpoint `checkpoint` exists, writing the time to `marker` first. Sent from within, by a hook on the model,
+    so that it lands in that step however fast the run: a short run can end before a signal from outside."""
+
+    signal: int
+    rank: int
+    checkpoint: Path
+    marker: Path
+    allowed: float  # seconds from the signal until every process must have ended
+
+    def hook(self):
+        @torch.compiler.disable  # a file check and a signal: not something --compile's graphs can hold
+        def fire(module, args):
+            if module.training and self.checkpoint.is_dir() and _in_training_steps():
+                tmp = self.marker.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"at": time.time()}))
+                os.replace(tmp, self.marker)
+                os.kill(os.getpid(), self.signal)
+
+        return fire
 
 
 class Checker:
@@ -83,16 +142,25 @@ class Checker:
 
     # --------------------------------------------------------------------------------------- jobs
 
-    def job(self, name: str, world: int = 1, nudge: bool = False, **options) -> dict:
-        """Runs one job in `world` forked processes; returns what it left (summary, weights, samples, error)."""
+    def job(self, name: str, world: int = 1, nudge: bool = False, fault: Fault | None = None, **options) -> dict:
+        """Runs one job in `world` forked processes; returns what it left (summary, weights, samples, error),
+        and with a fault what `_faulted` measured."""
         folder = self.folder / name
         cfg = replace(self.cfg, **{**self.options, **options, "output_dir": str(folder)})
         port = _free_port()
         threads = self.threads or max(1, (os.cpu_count() or 2) // world)
-        torch.multiprocessing.start_processes(_worker, args=(self.build, cfg, world, port, nudge, str(folder), threads),
-                                              nprocs=world, start_method="fork")
-        result = {"error": None, "summary": None, "weights": None, "samples": []}
+        context = torch.multiprocessing.start_processes(
+            _worker, args=(self.build, cfg, world, port, nudge, str(folder), threads, fault), nprocs=world,
+            start_method="fork", join=False)
         error = folder / "error.txt"
+        if fault:
+            measured = {**_faulted(context, fault), "error": _read(error), "finished": (folder / "summary.json").exists(),
+                        "said": [_read(folder / f"stderr-{r}.txt") for r in range(world)]}
+            error.unlink(missing_ok=True)  # the run's resumption, in this folder, writes its own
+            return measured
+        while not context.join():  # a process that dies ends the others (else they would wait for it)
+            pass
+        result = {"error": None, "summary": None, "weights": None, "samples": []}
         if error.exists():
             result["error"] = error.read_text().strip()
             return result
@@ -106,7 +174,10 @@ class Checker:
         result["draws"] = any(rank["draws"] for rank in ranks)
         return result
 
-    def run(self) -> list[dict]:
+    def run(self, faults: list[str] = ()) -> list[dict]:
+        """The guarantee rows, or with `faults` (names from FAULTS) the fault rows; prints the table."""
+        if "stall" in faults and self.cfg.hang_timeout == 0:
+            raise ConfigError("--faults stall needs the watchdog, which --hang-timeout 0 turns off")
         # Imported once here and inherited by every forked job, which would otherwise import them itself:
         # torch._dynamo alone (imported by the first optimizer) costs each job about 3 s on a small CPU.
         for module in ("torch._dynamo", "acc_trainer.loop"):
@@ -116,27 +187,49 @@ class Checker:
         console = make_console()
         half = self.steps // 2
         console.print(f"[bold]acc-trainer check[/]: {self.cfg.model} on {self.cfg.dataset}, {self.steps} steps per "
-                      f"run, 2 {self.devices}")
+                      f"run, 2 {self.devices}" + (f"; faults: {', '.join(faults)}" if faults else ""))
         try:
-            base = self.job("base", checkpoint_every=str(half))
-            if base["error"]:
-                raise ConfigError(f"the workload does not train on 1 process: {base['error']}")
-            nudged = self.job("nudged", nudge=True)
-            again = self.job("again")
-            accum = self.job("accum", grad_accum=2) if self.cfg.batch_size % 2 == 0 else None
-            resumed = self.resume(base, half)
-            two = self.job("two", world=self.world)
-            has_bn = _has_batchnorm(self.folder / "base")
-            synced = self.job("two_sync_bn", world=self.world, sync_bn=True) if has_bn and not self.cfg.sync_bn \
-                else None
-            rows = rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, self.cfg, half, self.world,
-                            self.folder)
+            rows = self.fault_rows(faults, half) if faults else self.guarantee_rows(half)
         finally:
             if not self.keep:
                 shutil.rmtree(self.folder, ignore_errors=True)
         console.print(table(rows))
         failed = sum(r["result"] == FAIL for r in rows)
         console.print(f"{failed} check(s) failed" if failed else "every check passed")
+        return rows
+
+    def guarantee_rows(self, half: int) -> list[dict]:
+        base = self.job("base", checkpoint_every=str(half))
+        if base["error"]:
+            raise ConfigError(f"the workload does not train on 1 process: {base['error']}")
+        nudged = self.job("nudged", nudge=True)
+        again = self.job("again")
+        accum = self.job("accum", grad_accum=2) if self.cfg.batch_size % 2 == 0 else None
+        resumed = self.resume(base, half)
+        two = self.job("two", world=self.world)
+        has_bn = _has_batchnorm(self.folder / "base")
+        synced = self.job("two_sync_bn", world=self.world, sync_bn=True) if has_bn and not self.cfg.sync_bn \
+            else None
+        return rows_for(base, nudged, again, accum, resumed, two, synced, has_bn, self.cfg, half, self.world,
+                        self.folder)
+
+    def fault_rows(self, faults: list[str], half: int) -> list[dict]:
+        """Per fault, the uninterrupted 2-process job ("two") faulted in process 1 after its half-way
+        checkpoint, then resumed in the same folder: two rows, the stop and the resumption."""
+        two = self.job("two", world=self.world)
+        if two["error"]:
+            raise ConfigError(f"the workload does not train on {self.world} processes: {two['error']}")
+        hang = self.cfg.hang_timeout if self.cfg.hang_timeout is not None else \
+            max(HANG_FLOOR, 20 * two["summary"]["train_time_s"] / two["summary"]["steps"])
+        rows = []
+        for name in faults:
+            folder = self.folder / name
+            fault = Fault(FAULTS[name], 1, folder / "checkpoints" / f"step-{half:08d}", folder / "fault.json",
+                          hang + SLACK)
+            options = {"checkpoint_every": str(half), "hang_timeout": hang}
+            faulted = self.job(name, world=self.world, fault=fault, **options)
+            resumed = self.job(name, world=self.world, resume="auto", **options) if faulted["at"] else None
+            rows += [_stop_row(fault, faulted, half, hang), _resumed_row(fault, resumed, two, half, self.world)]
         return rows
 
     def resume(self, base: dict, half: int) -> dict:
@@ -148,7 +241,35 @@ class Checker:
         return self.job("resumed", resume="auto", checkpoint_every=str(half))
 
 
-def _worker(rank: int, build, cfg: TrainConfig, world: int, port: int, nudge: bool, folder: str, threads: int) -> None:
+def _faulted(context, fault: Fault) -> dict:
+    """Waits for a faulted job's processes: `at` (the signal's time, None when it was never sent), `took`
+    (seconds from it until every process had ended) and `killed` (the ranks still running `fault.allowed`
+    seconds after it, which the check then killed)."""
+    processes, at, killed = context.processes, None, []
+    while running := [p for p in processes if p.exitcode is None]:
+        if at is None and fault.marker.exists():
+            at = json.loads(fault.marker.read_text())["at"]
+        if at is not None and time.time() > at + fault.allowed:
+            killed = [processes.index(p) for p in running]
+            for p in running:
+                p.kill()
+                p.join()
+            break
+        multiprocessing.connection.wait([p.sentinel for p in running], timeout=0.05)
+    ended = time.time()
+    for p in processes:
+        p.join()
+    if at is None and fault.marker.exists():  # sent just before the last process ended
+        at = json.loads(fault.marker.read_text())["at"]
+    return {"at": at, "took": ended - at if at else None, "killed": killed}
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text().strip() if path.exists() else None
+
+
+def _worker(rank: int, build, cfg: TrainConfig, world: int, port: int, nudge: bool, folder: str, threads: int,
+            fault: Fault | None) -> None:
     """One process of a job. Forked: it starts from the parent's objects, untouched by earlier jobs."""
     from accelerate.state import AcceleratorState, GradientState
 
@@ -161,10 +282,18 @@ def _worker(rank: int, build, cfg: TrainConfig, world: int, port: int, nudge: bo
     torch.set_num_threads(threads)
     AcceleratorState._reset_state(reset_partial_state=True)  # the parent's, copied by fork
     GradientState._reset_state()
+    if fault:  # what each process says (the watchdog's line, its stacks) is read by the check
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        file = os.open(Path(folder) / f"stderr-{rank}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, 2)
+        os.close(file)
     from ..loop import run
+    from ..processes import start
+    from ..stopping import lost_contact
 
     record = {"samples": [], "draws": False}
     try:
+        group = start(cfg)  # once, for the build (the main process reads the data first) and the run
         job = build(cfg)
         if nudge:
             with torch.no_grad():
@@ -173,10 +302,14 @@ def _worker(rank: int, build, cfg: TrainConfig, world: int, port: int, nudge: bo
         before, after = _recorder(record)
         job.model.register_forward_pre_hook(before, with_kwargs=True)
         job.model.register_forward_hook(after)
-        run(cfg, job)
+        if fault and rank == fault.rank:
+            job.model.register_forward_pre_hook(fault.hook())
+        run(cfg, job, group)
     except Exception as e:  # the parent reports it in its row
         if rank == 0:
             text = str(e) if isinstance(e, ConfigError) else "".join(traceback.format_exception_only(e)).strip()
+            if lost_contact(e):  # as the command line says it (cli.py)
+                text = f"lost contact with another process: {first_line(e)}"
             Path(folder).mkdir(parents=True, exist_ok=True)
             (Path(folder) / "error.txt").write_text(text)
         return
@@ -397,10 +530,79 @@ def _resume_row(base, resumed, half) -> dict:
     d = max_difference(base["weights"], resumed["weights"])
     if d == 0:
         return row(name, PASS, "bit-identical", "")
-    return row(name, FAIL, f"max parameter difference {d:.1e}",
-               "random numbers drawn where a checkpoint cannot restore them: in a dataset's __getitem__ (the loader "
-               "reads a batch ahead of the step a checkpoint records), from a generator of the dataset's own, or from "
-               "NumPy/Python state seeded at import", "draw from torch's generator, or from one seeded per sample")
+    return row(name, FAIL, f"max parameter difference {d:.1e}", *RESUME_CAUSE)
+
+
+RESUME_CAUSE = ("random numbers drawn where a checkpoint cannot restore them: in a dataset's __getitem__ (the loader "
+                "reads a batch ahead of the step a checkpoint records), from a generator of the dataset's own, or from "
+                "NumPy/Python state seeded at import", "draw from torch's generator, or from one seeded per sample")
+
+
+def _stop_row(fault: Fault, faulted: dict, half: int, hang: float) -> dict:
+    """Whether a run that lost process `fault.rank` stopped by itself, clearly, within `fault.allowed` seconds
+    of the signal: after a kill the survivor's collective fails (or its watchdog fires); after a stall the
+    watchdog names the stopped process (the survivor's line, on its stderr) and ends every process."""
+    signame = signal.Signals(fault.signal).name
+    name = f"{signame} to process {fault.rank} after the step-{half} checkpoint"
+    watchdog = _watchdog_line(faulted["said"])
+    if faulted["at"] is None:
+        if faulted["finished"]:
+            return row(name, SKIPPED, f"not sent: the run ended without a training forward of process {fault.rank} "
+                                      "after the checkpoint", "the forward function does not call the model itself "
+                                      "(the signal is sent from a hook on it)")
+        if watchdog:
+            return row(name, FAIL, f"not sent: the watchdog stopped the run before it: {_short(watchdog)}",
+                       "a step (the first one compiles, with --compile) slower than the check's bound",
+                       "a larger --hang-timeout")
+        return row(name, FAIL, f"not sent: the run failed before it: {faulted['error'] or 'no error recorded'}", "")
+    took = (f"{faulted['took']:.1f} s after it (at most {fault.allowed:.0f} s: --hang-timeout {hang:.3g} s + "
+            f"{SLACK:.0f} s)")
+    if faulted["killed"]:
+        return row(name, FAIL, f"process(es) {', '.join(map(str, faulted['killed']))} still running {took}: killed "
+                               "by the check", "the survivor neither failed in its collective nor was stopped by the "
+                               "watchdog", "--hang-timeout (the watchdog is the bound on a hang)")
+    if fault.signal == signal.SIGSTOP:
+        named = watchdog is not None and f"process {fault.rank} stopped responding" in watchdog
+        return row(name, PASS if named else FAIL, f"every process ended {took}; " + (
+            f"the watchdog named process {fault.rank}" if named else f"the watchdog said: {_short(watchdog)}"),
+                   "" if named else "the watchdog did not name the stopped process")
+    said = faulted["error"] or watchdog
+    clear = watchdog is not None or "lost contact" in (said or "")
+    return row(name, PASS if clear else FAIL, f"every process ended {took}; process 0: {_short(said)}",
+               "" if clear else "the survivor ended without saying that it lost a process")
+
+
+def _watchdog_line(said: list[str | None]) -> str | None:
+    """The watchdog's line (it names the processes and the checkpoint to resume from) in what the processes
+    printed, if any."""
+    lines = [line for text in said if text for line in text.splitlines()]
+    return next((line for line in lines if line.startswith("acc-trainer: process ") and "stopped every process" in line),
+                None)
+
+
+def _short(text: str | None) -> str:
+    """A line cut for the table: its first sentence, without the source location gloo puts in its errors."""
+    line = re.sub(r"\[\S+:\d+\] ", "", (text or "nothing").splitlines()[0]).split(". ")[0]
+    return line if len(line) <= 100 else line[:97] + "..."
+
+
+def _resumed_row(fault: Fault, resumed: dict | None, two: dict, half: int, world: int) -> dict:
+    """The faulted run continued with --resume auto in its folder, against the uninterrupted run ("two"):
+    it must start from the half-way checkpoint (a run that starts over also ends bit-identical) and end
+    bit-identical."""
+    name = f"resumed after {signal.Signals(fault.signal).name} (--resume auto)"
+    if resumed is None:
+        return row(name, SKIPPED, "no fault, nothing to resume", "")
+    if resumed["error"]:
+        return row(name, FAIL, resumed["error"], "", "")
+    start = resumed["summary"]["resumed_from"]
+    if start != str(fault.checkpoint):
+        return row(name, FAIL, f"started from {start or 'the beginning'}, not the step-{half} checkpoint",
+                   "--resume auto did not find the checkpoint")
+    d = max_difference(two["weights"], resumed["weights"])
+    if d == 0:
+        return row(name, PASS, f"from step {half}: bit-identical to the uninterrupted {world}-process run", "")
+    return row(name, FAIL, f"from step {half}: max parameter difference {d:.1e} from the uninterrupted run", *RESUME_CAUSE)
 
 
 def _determinism_row(base, again) -> dict:
@@ -445,7 +647,7 @@ def table(rows: list[dict]):
 
 
 def main(argv: list[str]) -> None:
-    """`acc-trainer check [--steps N] [training options]`: exit 1 when a check fails."""
+    """`acc-trainer check [--steps N] [--faults [kill,stall]] [training options]`: exit 1 when a check fails."""
     from ..flags import Parser, add_training_options, config_from
 
     parser = Parser(prog="acc-trainer check", description="Run short versions of the job and print one row per "
@@ -453,11 +655,16 @@ def main(argv: list[str]) -> None:
                     "exit 1 when one fails.")
     parser.add_argument("--steps", type=int, default=8, metavar="N",
                         help="optimizer steps of each short run, at least 2 (default: 8)")
+    parser.add_argument("--faults", nargs="?", const=",".join(FAULTS), metavar="kill,stall",
+                        help="instead of the guarantees: SIGKILL (kill) or SIGSTOP (stall) process 1 of the 2-process "
+                             "job after its half-way checkpoint, measure the time until every process has ended, "
+                             "resume it and compare bit for bit with the uninterrupted job (default: both faults; "
+                             f"--hang-timeout sets the watchdog's bound, else 20 x the step time, at least {HANG_FLOOR:g} s)")
     add_training_options(parser, "every option of acc-trainer --help: the job to check (--output-dir keeps the "
                                  "runs' folders)")
     args = parser.parse_args(argv)
     cfg = config_from(args)
     output_dir, cfg = cfg.output_dir, replace(cfg, output_dir=None)
-    rows = Checker(cfg, _named_workload, args.steps, output_dir).run()
+    rows = Checker(cfg, _named_workload, args.steps, output_dir).run(fault_names(args.faults))
     if any(r["result"] == FAIL for r in rows):
         sys.exit(1)
