@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import BIN, _env, check, free_port, launch, run_cli, run_here, summary
 
-SMALL = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--progress", "none"]
+SMALL = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--progress", "none", "--no-plots"]
 
 
 def test_max_steps_wins_over_epochs(train_in_process):
@@ -162,9 +162,9 @@ def test_a_checkpoint_that_does_not_fit_on_the_disk(tmp_path):
     from conftest import _env
 
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "acc_trainer", *SMALL, "--max-steps", "8", "--checkpoint-every", "4",
-                             "--log-every", "2", "--output-dir", str(out)], capture_output=True, text=True,
-                            env=_env(), preexec_fn=_with_file_size_limit(8 << 20), timeout=300)
+    result = subprocess.run([sys.executable, "-m", "acc_trainer", *SMALL, "--plots", "--max-steps", "8",
+                             "--checkpoint-every", "4", "--log-every", "2", "--output-dir", str(out)],
+                            capture_output=True, text=True, env=_env(), preexec_fn=_with_file_size_limit(8 << 20), timeout=300)
     assert result.returncode == 1, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == (
         f"acc-trainer: writing checkpoint {out}/checkpoints/step-00000004 failed: File too large (the file size "
@@ -292,7 +292,7 @@ def test_a_checkpoint_on_a_full_disk(tmp_path):
     _small_disk(disk, "24m")
     try:
         out = disk / "run"
-        result = run_cli(*SMALL, "--batch-size", "32", "--train-size", "512", "--max-steps", "12", "--log-every", "2",
+        result = run_cli(*SMALL, "--plots", "--batch-size", "32", "--train-size", "512", "--max-steps", "12", "--log-every", "2",
                          "--checkpoint-every", "4", "--keep-last", "1", "--output-dir", out)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
         assert result.stderr == (f"acc-trainer: writing checkpoint {out}/checkpoints/step-00000008 failed: No space "

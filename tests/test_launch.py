@@ -34,7 +34,7 @@ def test_every_shipped_config_loads_with_accelerates_loader():
     assert load_config_from_file(str(CONFIGS / "cpu.yaml")).use_cpu is True
 
 
-JOB = ["--model", "mlp", "--max-steps", "12", "--batch-size", "64", "--eval-size", "301", "--log-every", "4"]
+JOB = ["--model", "mlp", "--max-steps", "12", "--batch-size", "64", "--eval-size", "301", "--log-every", "4", "--no-plots"]
 
 
 @pytest.mark.parametrize("launcher_args,world", [
@@ -43,7 +43,7 @@ JOB = ["--model", "mlp", "--max-steps", "12", "--batch-size", "64", "--eval-size
     (["--config_file", CONFIGS / "cpu.yaml"], 1),
 ], ids=["cpu_ddp.yaml", "--multi_gpu --num_processes 2", "cpu.yaml"])
 def test_launched_runs_form_the_expected_group(tmp_path, launcher_args, world):
-    result = check(launch(*JOB, "--output-dir", tmp_path / "run", launcher_args=launcher_args))
+    result = check(launch(*JOB, "--output-dir", tmp_path / "run", launcher_args=launcher_args, plain=True))
     s = summary(tmp_path / "run")
     assert s["world_size"] == world
     assert s["distributed_type"] == ("MULTI_CPU" if world == 2 else "NO")

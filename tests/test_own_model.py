@@ -148,13 +148,13 @@ def test_a_users_script_on_one_and_two_processes_every_way_it_is_launched(projec
 
     def flags(name):
         runs[name] = project / name
-        return ["0", "--output-dir", runs[name], "--progress", "plain"]
+        return ["0", "--output-dir", runs[name], "--progress", "plain", "--no-plots"]
 
     outputs = {
         "python": check(subprocess.run([sys.executable, script, *flags("python")], capture_output=True, text=True,
                                        env=_env(), cwd=project, timeout=300)).stdout,
         "accelerate": check(launch(*flags("accelerate"), launcher_args=["--multi_gpu", "--num_processes", "2"],
-                                   target=[script], cwd=project)).stdout,
+                                   target=[script], cwd=project, plain=True)).stdout,
         "torchrun": check(subprocess.run([BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
                                           script, *flags("torchrun")], capture_output=True, text=True, env=_env(),
                                          cwd=project, timeout=300)).stdout,
@@ -182,16 +182,16 @@ def test_a_model_with_dropout_resumed_after_sigterm_is_the_same_run(project):
     both processes restored, so dropout draws the same masks)."""
     script = project / "train_script.py"
     two = ["--multi_gpu", "--num_processes", "2"]
-    check(launch("0.3", "--output-dir", project / "whole", "--log-every", "2", launcher_args=two, target=[script],
+    check(launch("0.3", "--output-dir", project / "whole", "--log-every", "2", "--no-plots", launcher_args=two, target=[script],
                  cwd=project))
     out = project / "cut"
-    stopped = launch("0.3", "--output-dir", out, "--log-every", "2", launcher_args=two, target=[script], cwd=project,
-                     env={"SIGTERM_AT_BATCH": "12"})
+    stopped = launch("0.3", "--output-dir", out, "--log-every", "2", "--no-plots", launcher_args=two, target=[script],
+                     cwd=project, env={"SIGTERM_AT_BATCH": "12"})
     # fit() raises TrainingStopped (the user's script may catch it); its message says how to continue.
     assert stopped.returncode != 0 and "TrainingStopped: stopped by SIGTERM at step 12" in stopped.stderr
     checkpoints = sorted((out / "checkpoints").glob("step-*"))
     assert len(checkpoints) == 1 and 11 <= int(checkpoints[0].name[5:]) < 16, stopped.stderr[-2000:]
-    check(launch("0.3", "--output-dir", out, "--log-every", "2", "--resume", "auto", launcher_args=two,
+    check(launch("0.3", "--output-dir", out, "--log-every", "2", "--no-plots", "--resume", "auto", launcher_args=two,
                  target=[script], cwd=project))
     whole, resumed = _weights(project / "whole"), _weights(out)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -19,12 +19,13 @@ NO_PLOTS = ["--no-plots"]
 
 
 def test_two_machines_train_like_one_process(tmp_path):
-    """`accelerate launch --num_machines 2 --machine_rank 0|1` on 127.0.0.1, one CPU process each."""
+    """`acc-trainer launch --num_machines 2 --machine_rank 0|1` (Accelerate's launch command) on 127.0.0.1, one CPU
+    process each."""
     port = free_port()
     machines = [subprocess.Popen(
-        [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
+        [str(BIN / "acc-trainer"), "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
          "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-         "-m", "acc_trainer", *JOB, "--output-dir", str(tmp_path / "two")],
+         "-m", "acc_trainer", *JOB, *NO_PLOTS, "--output-dir", str(tmp_path / "two")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for rank in (0, 1)]
     for machine in machines:
         _, stderr = machine.communicate(timeout=300)
@@ -79,9 +80,9 @@ def plain_run(tmp_path_factory):
     return out
 
 
-def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, shards: str, extra=()) -> None:
+def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, shards: str) -> None:
     """Trains SHARDED_JOB (+ EXTRA) under an engine, checkpointing at step 10, then resumes from that checkpoint."""
-    check(launch(*SHARDED_JOB, *extra, "--output-dir", tmp_path / "run", "--checkpoint-every", "10",
+    check(launch(*SHARDED_JOB, *NO_PLOTS, "--output-dir", tmp_path / "run", "--checkpoint-every", "10",
                  launcher_args=launcher_args))
     s, plain = summary(tmp_path / "run"), summary(plain_run)
     assert s["distributed_type"] == engine
@@ -100,7 +101,7 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
     assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
 
     # Resumed from the step-10 checkpoint, the run ends with exactly the same weights.
-    check(launch(*SHARDED_JOB, *extra, "--output-dir", tmp_path / "resumed", "--resume", checkpoint,
+    check(launch(*SHARDED_JOB, *NO_PLOTS, "--output-dir", tmp_path / "resumed", "--resume", checkpoint,
                  launcher_args=launcher_args))
     resumed = load_file(tmp_path / "resumed" / "model.safetensors")
     assert all(torch.equal(resumed[k], final[k]) for k in final)
@@ -129,7 +130,7 @@ def test_fsdp_on_two_cpu_processes(tmp_path, plain_run):
 def test_deepspeed_on_one_cpu_process(tmp_path, plain_run):
     """deepspeed.yaml (ZeRO-2) as one CPU process, the one DeepSpeed setup Accelerate allows without a GPU."""
     check_sharded_engine(tmp_path, plain_run, "DEEPSPEED", ["--config_file", CONFIGS / "deepspeed.yaml",
-                         "--num_processes", "1", "--mixed_precision", "no"], "pytorch_model", extra=NO_PLOTS)
+                         "--num_processes", "1", "--mixed_precision", "no"], "pytorch_model")
 
 
 def test_deepspeed_input_errors(tmp_path, main_in_process, monkeypatch):

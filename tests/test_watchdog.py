@@ -48,7 +48,7 @@ JOB = ["--model", "mlp", "--batch-size", "32", "--epochs", "1", "--log-every", "
 
 
 def launch(*args, cwd):
-    command = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--multi_gpu",
+    command = [str(BIN / "acc-trainer"), "launch", "--main_process_port", str(free_port()), "--multi_gpu",
                "--num_processes", "2", "-m", "acc_trainer", *map(str, args)]
     return subprocess.Popen(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
