@@ -9,6 +9,7 @@ imported only when named. A user mistake prints one line on stderr and exits wit
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -47,6 +48,17 @@ def check_data(argv: list[str]) -> None:
         console.print(f"{split}: {len(dataset) - len(names)} of {len(dataset)} samples read")
     if bad:
         sys.exit(1)
+
+
+def command() -> None:
+    """The `acc-trainer` command and `python -m acc_trainer`: `main`, in a process that then ends."""
+    try:
+        main()
+    finally:
+        # The process ends next. torch leaves about a million objects, and the interpreter's last garbage
+        # collection over them takes 0.3 s on a 2-core CPU (of 0.45 s to exit); frozen, they are left out of it.
+        # atexit handlers and files still close as before; only garbage in reference cycles goes unfinalised.
+        gc.freeze()
 
 
 def main(argv: list[str] | None = None) -> None:
