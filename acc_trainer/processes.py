@@ -47,7 +47,24 @@ def start(cfg: TrainConfig) -> Group:
         engines.check_deepspeed(cfg)
         cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
-    return Group(PartialState(cpu=cpu, **timeout.to_kwargs()), engine, cpu, timeout)
+    state = PartialState(cpu=cpu, **timeout.to_kwargs())
+    warn_if_restarts_share_a_store(state)
+    return Group(state, engine, cpu, timeout)
+
+
+def warn_if_restarts_share_a_store(state: PartialState) -> None:
+    """torch elastic (torchrun, accelerate launch) restarting failed processes (--max-restarts) hands every attempt
+    the one store its agent keeps (torch 2.14's c10d rendezvous, and the static one). The keys by which
+    the processes find each other's addresses stay there, and a restarted process that reads them before its peer
+    rewrites them connects to the dead attempt: it fails, or waits up to --dist-timeout (pytorch/pytorch#135712;
+    #167302 proposes a fix). Only the launcher's environment changes that, so it is said at start
+    (docs/checkpoints.md)."""
+    if (state.is_main_process and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        print("acc-trainer: warning: with --max-restarts the launcher keeps one store for every attempt, where a "
+              "restarted attempt can read the dead one's addresses and fail or hang at start; launch with "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous (--rdzv-backend c10d, or --standalone): "
+              "docs/checkpoints.md", file=sys.stderr)
 
 
 def warn_if_one_process_was_meant(state: PartialState) -> None:

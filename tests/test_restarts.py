@@ -1,0 +1,93 @@
+"""torchrun restarts a run whose process died: the same command line continues it (--resume auto) and the run
+ends as the uninterrupted one does (docs/checkpoints.md#restarts-with-torchrun)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BIN, _env, check, free_port, launch, metrics, summary
+from safetensors.torch import load_file
+
+# 64 steps over 2 epochs, a checkpoint every 8: a worker is killed after the first one, and the restarted
+# attempt crosses the epoch boundary (a new shuffle) before it ends.
+STEPS = 64
+JOB = ["--model", "mlp", "--train-size", "2048", "--eval-size", "256", "--batch-size", "64", "--epochs", "2",
+       "--checkpoint-every", "8", "--keep-last", "2", "--resume", "auto", "--no-plots", "--progress", "plain",
+       "--log-every", "8", "--dist-timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    check(launch(*JOB, "--output-dir", run, launcher_args=["--multi_gpu", "--num_processes", "2"]))
+    return run
+
+
+def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_ends_as_if_uninterrupted(tmp_path, uninterrupted):
+    """torchrun's c10d rendezvous on an endpoint, as on a cluster, with the setting that gives each attempt its own
+    store; a worker is SIGKILLed after the first checkpoint."""
+    run = tmp_path / "run"
+    torchrun = subprocess.Popen(
+        [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend",
+         "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "acc_trainer", *JOB, "--output-dir", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    try:
+        deadline = time.time() + 120
+        while not (run / "checkpoints" / "step-00000008").exists():
+            assert time.time() < deadline and torchrun.poll() is None, "the first attempt never wrote a checkpoint"
+            time.sleep(0.05)
+        os.kill(workers(torchrun)["1"], signal.SIGKILL)
+        stdout, stderr = torchrun.communicate(timeout=300)
+    finally:
+        if torchrun.poll() is None:  # its workers run in sessions of their own
+            for pid in workers(torchrun).values():
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(torchrun.pid, signal.SIGKILL)
+    assert torchrun.returncode == 0, stderr[-5000:]
+    assert "exitcode: -9" in stderr  # the worker was killed while the run went on
+    assert stdout.count("--resume auto: no checkpoint") == 1  # the first attempt
+    resumed = [line for line in stdout.splitlines() if "resuming at step" in line]
+    assert len(resumed) == 1 and int(resumed[0].split("resuming at step ")[1].split()[0]) < STEPS, stdout
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in stderr  # no warning: each attempt has its own store
+    final, reference = load_file(run / "model.safetensors"), load_file(uninterrupted / "model.safetensors")
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in reference)
+    s, r = summary(run), summary(uninterrupted)
+    assert (s["eval"], s["evals"], s["steps"], s["world_size"]) == (r["eval"], r["evals"], r["steps"], r["world_size"])
+    assert losses(run) == losses(uninterrupted)  # the killed attempt's records after the checkpoint are replaced
+
+
+def losses(run) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in metrics(run) if "loss" in m]
+
+
+def workers(torchrun: subprocess.Popen) -> dict[str, int]:
+    """torchrun's worker processes: their RANK -> their pid."""
+    found = {}
+    for pid in subprocess.run(["pgrep", "-P", str(torchrun.pid)], capture_output=True, text=True).stdout.split():
+        try:
+            environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+        except OSError:  # ended meanwhile
+            continue
+        found[environ.get("RANK")] = int(pid)
+    return found
+
+
+def test_a_launcher_that_shares_one_store_between_attempts_is_named(monkeypatch, capsys):
+    """torch elastic's shared store (its c10d rendezvous unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, its static one
+    always) keeps a dead attempt's addresses, which a restarted one can read: said at start."""
+    from acc_trainer.processes import warn_if_restarts_share_a_store
+
+    main = types.SimpleNamespace(is_main_process=True)
+    for restarts, shared, warned in [("1", "True", True), ("1", "False", False), ("0", "True", False), (None, None, False)]:
+        for name, value in (("TORCHELASTIC_MAX_RESTARTS", restarts), ("TORCHELASTIC_USE_AGENT_STORE", shared)):
+            monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
+        warn_if_restarts_share_a_store(main)
+        assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err) is warned
