@@ -105,7 +105,13 @@ def main(argv: list[str] | None = None) -> None:
 
         # Every process meets the same bad input: under torch's launcher each hands its line over and only the
         # main process prints it; `acc-trainer launch` shows one that another machine's alone met (docs/scaling.md).
-        if not (several and tell_launcher(line)) or rank == "0":
+        # The main process prints before it hands the line over: a launcher that stops it in between has then
+        # seen it printed, not handed over and never shown.
+        if not several or rank == "0":
+            print(line, file=sys.stderr)
+            if several:
+                tell_launcher(line)
+        elif not tell_launcher(line):
             print(line, file=sys.stderr)
         if several:  # ends with 2, not with gloo's abort in the teardown, as a finished process does
             from .patches import leave_without_teardown
@@ -138,4 +144,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command()

@@ -116,12 +116,16 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
     model.eval()
     writer = Writer(output, size) if accelerator.is_main_process else None
     rows, index, unreadable = [], 0, []
+    # A signal stops every process at the same batch (the largest signal number any process got, agreed before
+    # each batch), never one process alone in the middle of the batch's gathers.
+    agree = (lambda n: n) if accelerator.num_processes == 1 else \
+        (lambda n: int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max()))
     try:
         shown = accelerator.is_main_process and output is not None
         with _stopped_by_signals(output) as stop_if_asked, stream_faults(str), torch.no_grad(), \
                 _progress(shown, None if is_stream(dataset) else len(loader)) as advance:
             for batch, real, bad in real_batches(accelerator, loader, reads_files(dataset)):
-                stop_if_asked()
+                stop_if_asked(agree)
                 unreadable += bad
                 outputs, _ = (job.forward or forward)(model, batch)
                 # every process's real outputs, in process order: the global batch's, in the dataset's order
@@ -135,6 +139,7 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
                 if output is None:
                     rows += batch_rows
                 advance()
+            stop_if_asked(agree)  # a signal during the last batch
         if unreadable_everywhere(accelerator, unreadable):
             raise ConfigError("predict: some samples cannot be read (their rows would be another sample's); "
                               "acc-trainer check-data lists them")
@@ -151,19 +156,21 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
 def _stopped_by_signals(output: Path | None):
     """SIGTERM or SIGINT while predicting ends it with one line and exit 128 + the signal, after the unfinished
     file's folder is removed (`_predict`'s finally): the signal's default would end the process before it.
-    Yields `stop_if_asked()`, which the loop calls before each batch: the handler only takes note, since an
-    exception raised from a handler lands wherever the main thread happens to be (inside `Thread.start`, say,
-    which it leaves broken). A second signal stops at once, for a batch that never comes."""
+    Yields `stop_if_asked(agree)`, which the loop calls before each batch with a function that turns this
+    process's signal number (0: none) into every process's: the handler only takes note, since an exception
+    raised from a handler lands wherever the main thread happens to be (inside `Thread.start`, say, which it
+    leaves broken). A second signal stops this process at once, for a batch that never comes."""
     import signal
     import threading
 
     asked = []
 
-    def stop_if_asked():
-        if asked:
-            name = signal.Signals(asked[0]).name
+    def stop_if_asked(agree=lambda n: n):
+        number = agree(asked[0] if asked else 0)
+        if number:
+            name = signal.Signals(number).name
             raise TrainingStopped(f"predict stopped by {name}" + (f"; nothing was written to {output}" if output else ""),
-                                  code=128 + asked[0])
+                                  code=128 + number)
 
     if threading.current_thread() is not threading.main_thread():
         yield stop_if_asked
@@ -177,7 +184,6 @@ def _stopped_by_signals(output: Path | None):
     previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield stop_if_asked
-        stop_if_asked()  # a signal during the last batch
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -4,7 +4,8 @@ Accelerate's launch command runs in this process, unchanged; only its ending is 
 signal (a scheduler's SIGTERM, Ctrl-C): exit 128 + the signal, and the trainer's own line ("stopped by
 SIGTERM at step ...") is all that is printed. Bad input: exit 2, the main process's one line. A process
 that failed otherwise: its exit code and one line naming it (its own output above says why). torch elastic's
-launcher, which Accelerate runs for several processes, would exit 1 with a traceback in each case.
+launcher, which Accelerate runs for several processes, would exit 1 with a traceback in each case. For one
+process Accelerate's plain launcher runs, which passes no SIGTERM on: run `acc-trainer` itself there.
 
 Every process of a run hands its bad-input line to the launcher (`tell_launcher`) and only the main process
 prints it: one line for any number of processes, and a line that another machine's processes alone met is

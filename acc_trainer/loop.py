@@ -18,6 +18,7 @@ in every checkpoint; the prepared objects are the parts of one `Run` (setup.py).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
@@ -47,31 +48,45 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
     state, trained = r.state, r.trained
     where = lambda: (f"epoch {r.epoch + 1}, after optimizer step {state.step}, process "
                      f"{r.accelerator.process_index} of {r.world}")
-    with r.output.progress, StopSignals(r.accelerator) as signals, r.output.files.plots_if_stopped(cfg.plots), \
-            _naming_the_step(where), _watched(r):
-        for epoch in epochs_left(r):
-            r.epoch = epoch
-            if not _epoch_trained(r, epoch):  # else: resumed before this epoch's evaluation
-                with stream_faults(lambda e: _stream_stop(r, e, "training")):
-                    train_epoch(r, signals)
-            # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
-            since = time.perf_counter()
-            if r.loaders.eval is not None:
-                with stream_faults(lambda e: _stream_stop(r, e, "evaluation")):
-                    results = evaluate(r.accelerator, trained.ema.module if trained.ema else trained.model,
-                                       r.loaders.eval, r.scoring.eval_loss_fn, r.scoring.metrics, cfg.channels_last,
-                                       trained.input_dtype, guarded=reads_files(r.job.data.eval),
-                                       forward_fn=r.job.forward, tables=r.scoring.checked.tables, watch=r.watch)
-                keep_evaluation(r, results)
-            if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint from here starts the next epoch
-                state.stream = stream_position(epoch + 1, state.step, state.stream["epoch_steps"])
-            if cfg.checkpoint_epochs or (r.shape.checkpoint_steps and state.step % r.shape.checkpoint_steps == 0):
-                save_checkpoint(r)
-            r.clock.exclude(since)  # evaluation is not training time
-            stop_if_signalled(r, signals)
-            if state.stopped_early:  # --early-stop: decided alike on every process (keep_evaluation)
-                break
-    return finish(r)
+    try:
+        with r.output.progress, StopSignals(r.accelerator) as signals, r.output.files.plots_if_stopped(cfg.plots), \
+                _naming_the_step(where), _watched(r):
+            for epoch in epochs_left(r):
+                r.epoch = epoch
+                if not _epoch_trained(r, epoch):  # else: resumed before this epoch's evaluation
+                    with stream_faults(lambda e: _stream_stop(r, e, "training")):
+                        train_epoch(r, signals)
+                # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
+                since = time.perf_counter()
+                if r.loaders.eval is not None:
+                    with stream_faults(lambda e: _stream_stop(r, e, "evaluation")):
+                        results = evaluate(r.accelerator, trained.ema.module if trained.ema else trained.model,
+                                           r.loaders.eval, r.scoring.eval_loss_fn, r.scoring.metrics, cfg.channels_last,
+                                           trained.input_dtype, guarded=reads_files(r.job.data.eval),
+                                           forward_fn=r.job.forward, tables=r.scoring.checked.tables, watch=r.watch)
+                    keep_evaluation(r, results)
+                if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint from here starts the next epoch
+                    state.stream = stream_position(epoch + 1, state.step, state.stream["epoch_steps"])
+                if cfg.checkpoint_epochs or (r.shape.checkpoint_steps and state.step % r.shape.checkpoint_steps == 0):
+                    save_checkpoint(r)
+                r.clock.exclude(since)  # evaluation is not training time
+                stop_if_signalled(r, signals)
+                if state.stopped_early:  # --early-stop: decided alike on every process (keep_evaluation)
+                    break
+        return finish(r)
+    except BaseException:
+        _trackers_finished(r.accelerator)
+        raise
+
+
+def _trackers_finished(accelerator) -> None:
+    """A run that ends early (a signal, a NaN, bad input met mid-run, a full disk, a bug) still finishes its
+    trackers: their last events are written and their runs marked finished (a process of several may end without
+    the interpreter's teardown, where wandb and MLflow would finish theirs). Not `end_training`, which would also
+    dissolve the process group that the error's own path still uses."""
+    for tracker in accelerator.trackers:
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            tracker.finish()
 
 
 def epochs_left(r: Run):

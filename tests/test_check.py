@@ -125,7 +125,7 @@ def test_faults_a_killed_and_a_stopped_process_end_the_run_which_resumes_bit_ide
     assert kill[1] == "PASS" and float(took) < 3, kill  # by the failed collective, not the watchdog
     assert said.startswith("process 0: lost contact with another process: "), said
     took, said = ended.fullmatch(stall[2]).groups()
-    assert stall[1] == "PASS" and 3 < float(took) <= 13 and said == "the watchdog named process 1", stall
+    assert stall[1] == "PASS" and 2 <= float(took) <= 13 and said == "the watchdog named process 1", stall
     for signal in ("SIGKILL", "SIGSTOP"):
         resumed = rows[f"resumed after {signal} (--resume auto)"]
         assert resumed[1:3] == ["PASS", "from step 4: bit-identical to the uninterrupted 2-process run"], resumed

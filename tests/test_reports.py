@@ -134,3 +134,24 @@ def test_the_bars_follow_the_loop_without_a_call_into_rich_per_step(monkeypatch,
     assert len(calls) < 40  # two per redraw, against two per step (8,000 here) before
     out = capsys.readouterr().out
     assert "10000/10000" in out and "epoch 2" in out and "5000/5000" in out and "loss 0.2500" in out
+
+
+def test_a_run_that_stops_early_finishes_its_tracker(train_in_process, tmp_path, monkeypatch):
+    """A loss that becomes inf stops the run; its tracker is finished all the same (wandb and MLflow mark their
+    run finished there; a process of several can end without the interpreter's atexit), with the events logged
+    up to then in TensorBoard's file."""
+    from accelerate.tracking import TensorBoardTracker
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from acc_trainer.stopping import TrainingStopped
+
+    finished = []
+    close = TensorBoardTracker.finish
+    monkeypatch.setattr(TensorBoardTracker, "finish", lambda self: (finished.append(self.logging_dir), close(self)))
+    with pytest.raises(TrainingStopped, match="the loss became NaN or inf at step 3"):
+        train_in_process(model="mlp", train_size=512, eval_size=128, batch_size=64, epochs=2, log_every=2,
+                         optimizer="sgd", lr=1e12, log_with="tensorboard", output_dir=str(tmp_path / "run"))
+    assert len(finished) == 1
+    events = EventAccumulator(str(tmp_path / "run" / "logs" / "acc_trainer"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2]

@@ -44,6 +44,9 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_ends_as_if_uninter
         while not (run / "checkpoints" / "step-00000008").exists():
             assert time.time() < deadline and torchrun.poll() is None, "the first attempt never wrote a checkpoint"
             time.sleep(0.05)
+        while "1" not in workers(torchrun):  # read from /proc, where a process can end or not be listed yet
+            assert time.time() < deadline, "torchrun's process 1 was not found"
+            time.sleep(0.05)
         os.kill(workers(torchrun)["1"], signal.SIGKILL)
         stdout, stderr = torchrun.communicate(timeout=300)
     finally:
