@@ -62,6 +62,7 @@ class Workload:
     forward: Callable | None = None  # (model, batch) -> (outputs, targets); None: losses.forward
     optimizer: Callable | None = None  # factory(param_groups) -> Optimizer (fit); None: --optimizer
     scheduler: Callable | None = None  # factory(optimizer, total_steps) -> scheduler (fit); None: --scheduler
+    objects: bool = False  # given as objects (fit): model_name and dataset_name are their classes, not factories
 
 
 def import_object(path: str, what: str) -> Any:
@@ -322,7 +323,7 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate
     elif metrics is not None:
         raise ConfigError(f"fit: metrics must be a dict of name -> metric or a list of names, not {type(metrics).__name__}")
     return Workload(model, data, loss, metrics, qualified_name(model), qualified_name(train_data), loss_name,
-                    *build_batching(collate, forward))
+                    *build_batching(collate, forward), objects=True)
 
 
 def qualified_name(obj: Any) -> str:

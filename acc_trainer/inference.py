@@ -46,29 +46,76 @@ FORMATS = (".jsonl", ".csv", ".npz")
 # ----------------------------------------------------------------------------------------- Python
 
 
-def evaluate(model, dataset, *, loss=None, metrics=None, collate_fn=None, forward=None,
-             config: TrainConfig | None = None, **options) -> dict:
+def evaluate(model_or_run, dataset=None, /, *, model=None, data=None, weights=None, loss=None, metrics=None,
+             collate_fn=None, forward=None, config: TrainConfig | None = None, **options) -> dict:
     """`model` (with its weights loaded) evaluated on `dataset`, exactly, on every process of a launch:
     the loss and every metric over the whole set (metrics as for `fit`; metrics with state computed once),
-    `samples`, and for classification the confusion matrix and per-class table under `tables`."""
+    `samples`, and for classification the confusion matrix and per-class table under `tables`.
+
+    `evaluate(RUN_DIR, model=..., data=...)`: a finished run's weights (RUN_DIR/model.safetensors, or `weights`,
+    verified against the run's digests) loaded into `model`, as built before training, with the run's options
+    (config.yaml) under `config` and `options`; how to evaluate a run that `fit()` made from objects."""
     from .api import fit_config
 
+    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate")
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward)
     return _evaluate(cfg, job, dataset)
 
 
-def predict(model, dataset, *, output: str | os.PathLike | None = None, collate_fn=None, forward=None,
-            config: TrainConfig | None = None, **options) -> list[dict] | Path:
+def predict(model_or_run, dataset=None, /, *, model=None, data=None, weights=None,
+            output: str | os.PathLike | None = None, collate_fn=None, forward=None, config: TrainConfig | None = None,
+            **options) -> list[dict] | Path:
     """The model's predictions for every sample of `dataset`, in its order, one row per sample with its
     `index` (and `class`, the highest score, for class scores). Written to `output` (.jsonl, .csv or
     .npz) as the batches arrive, by the main process, which returns its path; without `output`, the rows
-    (every process gets them all)."""
+    (every process gets them all). `predict(RUN_DIR, model=..., data=...)`: a finished run's, as `evaluate`."""
     from .api import fit_config
 
+    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict")
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward)
     return _predict(cfg, job, dataset, Path(output) if output else None)[0]
+
+
+def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str) -> tuple:
+    """(the model, the dataset, the config) that `evaluate`/`predict` were given: a model and a dataset, or a run
+    folder with the model (its weights loaded from the run here) and the data."""
+    if not isinstance(model_or_run, (str, os.PathLike)):
+        if model is not None:
+            raise ConfigError(f"{command}: give the model once (first, or as model= after a run folder)")
+        return model_or_run, dataset if dataset is not None else data, config
+    run = Path(model_or_run)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"{command}: {run} holds no config.yaml: not the folder of an acc_trainer run")
+    if model is None or (dataset if dataset is not None else data) is None:
+        raise ConfigError(f"{command}({str(run)!r}, model=..., data=...): give the model as it was built before "
+                          "training (the run's weights are loaded into it) and the data to use")
+    weights = Path(weights) if weights is not None else run / "model.safetensors"
+    _load_weights(model, weights, type(model).__name__)
+    if config is None:
+        from .flags import parse_config
+
+        config = parse_config(["--config", str(run / "config.yaml")])
+    return model, dataset if dataset is not None else data, config
+
+
+def _load_weights(model, weights: Path, name: str) -> None:
+    """`weights` (checked against the digest the run wrote, where there is one) into `model`, strictly."""
+    from safetensors.torch import load_file
+
+    if not weights.is_file():
+        raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give the "
+                          "weights to load: never an evaluation of random weights")
+    problem = damage(weights.parent, only=weights.name)
+    if problem:
+        raise ConfigError(f"the weights {weights} are {problem}")
+    try:
+        state = load_file(weights) if weights.suffix == ".safetensors" else torch.load(weights, weights_only=True,
+                                                                                        map_location="cpu")
+        model.load_state_dict(state)
+    except Exception as e:  # noqa: BLE001 - a file that is not these weights is the user's input
+        raise ConfigError(f"the weights {weights} do not load into {name}: {type(e).__name__}: {first_line(e)}") from None
 
 
 # ----------------------------------------------------------------------------------------- the pieces
@@ -361,6 +408,12 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str) ->
     args = parser.parse_args(argv)
     if not (args.run / "config.yaml").is_file():
         raise ConfigError(f"{args.run} holds no config.yaml: not the folder of an acc_trainer run")
+    made = json.loads((args.run / "summary.json").read_text()) if (args.run / "summary.json").is_file() else {}
+    if made.get("built_from") == "objects (fit)" and "model" not in args and "dataset" not in args:
+        raise ConfigError(f"{args.run} was trained by fit() on objects ({made['model']}, {made['dataset']}), which the "
+                          "command line cannot build again: give --model and --dataset as functions that build them "
+                          f"(module:function), or from Python: acc_trainer.{command}({str(args.run)!r}, model=..., "
+                          "data=...)")
     weights = args.weights or args.run / "model.safetensors"
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give --weights "
@@ -376,17 +429,10 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str) ->
 def _workload(cfg: TrainConfig, weights: Path, split: str):
     """The run's model with `weights` loaded, and its `split` set (the processes are started)."""
     from accelerate.utils import set_seed
-    from safetensors.torch import load_file
 
     set_seed(cfg.seed)
     job = components.build_workload(replace(cfg, pretrained=False))  # the run's weights replace them anyway
-    try:
-        state = load_file(weights) if weights.suffix == ".safetensors" else torch.load(weights, weights_only=True,
-                                                                                        map_location="cpu")
-        job.model.load_state_dict(state)
-    except Exception as e:  # noqa: BLE001 - a file that is not these weights is the user's input
-        raise ConfigError(f"the weights {weights} do not load into {cfg.model}: {type(e).__name__}: "
-                          f"{first_line(e)}") from None
+    _load_weights(job.model, weights, cfg.model)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:
         raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")

@@ -98,6 +98,7 @@ def run_summary(r: Run, agreement: dict) -> dict:
     return {
         "model": r.job.model_name,
         "dataset": r.job.dataset_name,
+        "built_from": "objects (fit)" if r.job.objects else "names",  # how evaluate/predict can rebuild it
         "loss_function": checked.loss_name,
         "loss_per": checked.loss_per,  # item: summed over items, divided by the global batch's count
         "unused_parameters": checked.unused,

@@ -345,3 +345,38 @@ def test_the_python_api_names_stay_callable(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().split("\n")
     assert (lines[0], lines[-1]) == ("callable", "2")
+
+
+def test_a_run_made_by_fit_is_evaluated_and_predicted_from_python(fit, project, main_in_process):
+    """`acc_trainer.evaluate(RUN, model=..., data=...)` loads the run's weights into the model as built before
+    training and gives the run's own final numbers; the command line, which cannot build fit()'s objects again,
+    says in one line what to give it."""
+    from accelerate.state import AcceleratorState, GradientState
+    from my_data import load
+    from my_model import Net
+
+    import acc_trainer
+
+    train, evaluation = load()
+    out = project / "run"
+    fit(Net(4), train, evaluation, batch_size=64, max_steps=6, plots=False, output_dir=str(out))
+    s = summary(out)
+    assert s["built_from"] == "objects (fit)"
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    results = acc_trainer.evaluate(out, model=Net(4), data=evaluation, progress="none")
+    assert results["samples"] == 301
+    assert results["accuracy"] == s["eval"]["accuracy"] and results["loss"] == pytest.approx(s["eval"]["loss"], abs=1e-6)
+    rows = acc_trainer.predict(out, model=Net(4), data=evaluation, progress="none")
+    assert [r["index"] for r in rows] == list(range(301))
+    assert sum(r["class"] == int(evaluation[r["index"]][1]) for r in rows) / 301 == s["eval"]["accuracy"]
+
+    with pytest.raises(acc_trainer.ConfigError, match=r"do not load into Net: RuntimeError: Error\(s\) in loading"):
+        acc_trainer.evaluate(out, model=Net(4, width=8), data=evaluation)
+    with pytest.raises(acc_trainer.ConfigError, match=r"give the model as it was built before training"):
+        acc_trainer.evaluate(out, data=evaluation)
+    code, _, stderr = main_in_process("evaluate", out)
+    assert code == 2 and stderr == (
+        f"acc-trainer: error: {out} was trained by fit() on objects (my_model:Net, torch.utils.data.dataset:"
+        "TensorDataset), which the command line cannot build again: give --model and --dataset as functions that "
+        f"build them (module:function), or from Python: acc_trainer.evaluate('{out}', model=..., data=...)\n")
