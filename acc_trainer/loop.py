@@ -34,6 +34,7 @@ from .data import reads_files, sample_name
 from .evaluation import evaluate, format_results, stream_faults, unreadable_everywhere
 from .losses import batch_loss, model_inputs
 from .metrics import improves
+from .pretrained import config_files
 from .processes import Group
 from .setup import Run, setup, stream_position
 from .stopping import StopSignals, TrainingStopped
@@ -305,6 +306,8 @@ def save_checkpoint(r: Run, name: str | None = None) -> None:
              "parameters": r.trained.parameters, "config": r.cfg.to_dict()}
     with r.watch.slow("checkpoint"), r.output.checkpoints.writing(saved, name) as folder:
         r.accelerator.save_state(str(folder))
+        if r.accelerator.is_main_process:  # a transformers model's config.json: it loads with from_pretrained too
+            config_files(r.accelerator.unwrap_model(r.trained.model, keep_torch_compile=False), folder)
 
 
 def stop_if_signalled(r: Run, signals: StopSignals, check: bool = True) -> None:

@@ -18,6 +18,7 @@ from .config import TrainConfig
 from .evaluation import format_results
 from .measure import device_peak_flops, library_versions, peak_memory_mb
 from .metrics import best_evaluation, ranked_by
+from .pretrained import config_files
 from .progress import summary_table
 from .setup import Run
 from .stopping import TrainingStopped
@@ -73,6 +74,8 @@ def save_weights(accelerator: Accelerator, model, folder: Path) -> None:
     error = None
     try:
         accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
+        if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained
+            config_files(accelerator.unwrap_model(model, keep_torch_compile=False), tmp)
     except WRITE_ERRORS as e:
         error = e
     if accelerator.num_processes > 1:  # reached by every process, whether its part failed or not: no one waits alone

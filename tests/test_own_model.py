@@ -380,3 +380,33 @@ def test_a_run_made_by_fit_is_evaluated_and_predicted_from_python(fit, project, 
         f"acc-trainer: error: {out} was trained by fit() on objects (my_model:Net, torch.utils.data.dataset:"
         "TensorDataset), which the command line cannot build again: give --model and --dataset as functions that "
         f"build them (module:function), or from Python: acc_trainer.evaluate('{out}', model=..., data=...)\n")
+
+
+def test_a_transformers_run_folder_loads_with_from_pretrained(tmp_path):
+    """A causal LM with tied embeddings (GPT-2 from its config), trained by fit(): the run folder, and each
+    checkpoint, load with AutoModelForCausalLM.from_pretrained and give the trained model's logits."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    import acc_trainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=50,
+                                       bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 50, (32, 16), generator=torch.Generator().manual_seed(1))
+    samples = [{"input_ids": row, "labels": row} for row in ids]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    out = tmp_path / "run"
+    acc_trainer.fit(model, samples, batch_size=8, max_steps=4, checkpoint_every="2", optimizer="adamw", lr=1e-2,
+                    progress="none", plots=False, output_dir=str(out))
+    model.eval()
+    with torch.no_grad():
+        expected = model(ids[:4]).logits
+        for folder in (out, out / "checkpoints" / "step-00000004"):
+            loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+            assert type(loaded) is GPT2LMHeadModel and loaded.lm_head.weight is loaded.transformer.wte.weight
+            assert torch.equal(loaded(ids[:4]).logits, expected), folder
+            assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 0
+    sums = (out / "SHA256SUMS").read_text()
+    assert "config.json" in sums and "generation_config.json" in sums  # verified as the weights are
