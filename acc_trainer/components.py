@@ -271,13 +271,15 @@ def build_metrics(specs: list[str]) -> dict[str, Callable]:
     for spec in specs:
         if spec in builtin_metrics.METRICS:
             metrics[spec] = builtin_metrics.METRICS[spec]
+        elif spec in builtin_metrics.FROM_LOSS:
+            metrics[spec] = builtin_metrics.FROM_LOSS[spec]
         elif spec in builtin_metrics.STATEFUL:
             metrics[spec] = builtin_metrics.STATEFUL[spec]  # a class: built for the outputs by check_fit
         elif ":" in spec:
             metrics[spec.rpartition(":")[2].rpartition(".")[2]] = _metric(import_object(spec, "--metrics"), spec,
                                                                         "--metrics")
         else:
-            names = [*builtin_metrics.METRICS, *builtin_metrics.STATEFUL]
+            names = [*builtin_metrics.METRICS, *builtin_metrics.STATEFUL, *builtin_metrics.FROM_LOSS]
             raise ConfigError(f"unknown metric {spec!r}; choose from {', '.join(names)}, or give an import path "
                               "pkg.module:function (or an object with update, compute and reset)")
     return metrics
@@ -526,7 +528,7 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
     if metrics is None:  # accuracy for one class label per sample
         metrics = {"accuracy": builtin_metrics.accuracy} if labels and targets.dim() == 1 else {}
     metrics = {name: m.for_outputs(outputs, targets) if isinstance(m, type) else m for name, m in metrics.items()}
-    _check_metrics(job, metrics, outputs, targets)
+    _check_metrics(job, metrics, outputs, targets, eval_loss)
     # A classification run also keeps its confusion matrix and per-class table (plots/confusion.png, summary.json).
     tables = {"confusion": builtin_metrics.Confusion.for_outputs(outputs, targets)} if labels and targets.dim() == 1 \
         and _class_scores(outputs) else {}
@@ -632,11 +634,16 @@ def _model_kept(model: nn.Module):
                     b.copy_(buffers[name])
 
 
-def _check_metrics(job: Workload, metrics: dict, outputs, targets) -> None:
+def _check_metrics(job: Workload, metrics: dict, outputs, targets, job_has_loss: bool) -> None:
     size = len(targets) if isinstance(targets, (torch.Tensor, list, tuple)) and (
         not isinstance(targets, torch.Tensor) or targets.dim()) else None
     with torch.no_grad():
         for name, metric in metrics.items():
+            if builtin_metrics.from_loss(metric):
+                if not job_has_loss:
+                    raise ConfigError(f"metric {name} is computed from the evaluation's loss, and {job.model_name}'s "
+                                      "evaluation has none (a model that returns predictions without a loss)")
+                continue
             try:
                 if builtin_metrics.is_stateful(metric):  # updated once here, then reset
                     metric.update(outputs if isinstance(metric, builtin_metrics.Stateful) else metric_input(outputs),

@@ -22,7 +22,7 @@ from . import patches
 from .components import metric_input
 from .data import Uncollated
 from .losses import batch_loss, model_inputs
-from .metrics import Stateful, is_stateful
+from .metrics import Stateful, from_loss, is_stateful
 from .progress import format_metric
 from .stopping import TrainingStopped
 from .streams import StreamUnreadable
@@ -101,7 +101,8 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
     """
     model.eval()
     stateful = {name: m for name, m in {**metrics, **(tables or {})}.items() if is_stateful(m)}
-    metrics = {name: m for name, m in metrics.items() if name not in stateful}
+    derived = {name: m for name, m in metrics.items() if from_loss(m)}  # perplexity: of the final loss
+    metrics = {name: m for name, m in metrics.items() if name not in stateful and name not in derived}
     builtin = {name: m for name, m in stateful.items() if isinstance(m, Stateful)}
     objects = {name: m for name, m in stateful.items() if name not in builtin}  # torchmetrics' and the like
     for metric in stateful.values():
@@ -138,6 +139,7 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
     count = int(totals[-1])
     results = {"loss": totals[0] / max(totals[1], 1)} if has_loss else {}
     results.update({name: total / count for name, total in zip(metrics, totals[2:-1])})
+    results.update({name: fn(results["loss"]) for name, fn in derived.items() if has_loss})
     for name, metric in stateful.items():
         value = merged_metric(accelerator, metric)
         if name in (tables or {}):

@@ -8,7 +8,9 @@ A metric is either
   with `update(predictions, targets)`, `compute()` and `reset()` (torchmetrics' protocol), updated with
   each evaluation batch's real samples only and computed once over the whole set. Such an object combines
   the processes itself, as torchmetrics' do; the built-in ones (f1, precision, recall, auroc, iou, below)
-  are combined by the loop: their counts with one all-reduce, their per-sample scores gathered exactly.
+  are combined by the loop: their counts with one all-reduce, their per-sample scores gathered exactly;
+- or a function of the evaluation's loss over the whole set (FROM_LOSS: perplexity, the exponential of a
+  token loss's token mean), computed once that loss is final, so exactly on any number of processes.
 """
 
 from __future__ import annotations
@@ -53,6 +55,20 @@ METRICS: dict[str, Callable] = {
     "top5": top5,
     "mae": mae,
 }
+
+
+def perplexity(loss: float) -> float:
+    """exp(the evaluation's loss): for a token loss, the exponential of the mean over every real token of the
+    set (not of a mean of per-batch means)."""
+    return math.exp(loss) if loss < 709 else math.inf  # beyond that, float64 overflows
+
+
+FROM_LOSS: dict[str, Callable[[float], float]] = {"perplexity": perplexity}
+
+
+def from_loss(metric) -> bool:
+    """A metric computed from the evaluation's loss (FROM_LOSS), not from the outputs."""
+    return any(metric is fn for fn in FROM_LOSS.values())
 
 
 # ------------------------------------------------------------------------------------ metrics with state
@@ -218,7 +234,7 @@ def is_stateful(metric) -> bool:
 
 # ----------------------------------------------------------------------------------------- which is best
 
-LOWER_IS_BETTER = re.compile(r"(^|_)(loss|error|mae|mse)$")
+LOWER_IS_BETTER = re.compile(r"(^|_)(loss|error|mae|mse|perplexity)$")
 
 
 def improves(metric: str, value: float, best: float | None, margin: float = 0.0) -> bool:

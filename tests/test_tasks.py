@@ -8,6 +8,7 @@ Most proofs go through `acc_trainer.check` (short runs in forked processes: 1 pr
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 
@@ -132,9 +133,13 @@ def test_the_language_model_example_passes_check_from_the_command_line(tmp_path)
     for job in ("two", "accum"):
         weights = load_file(tmp_path / job / "model.safetensors")
         assert max((base[k] - weights[k]).abs().max().item() for k in base) <= 1e-5, job
-    s = summary(tmp_path / "two")
+    s, base = summary(tmp_path / "two"), summary(tmp_path / "base")
     assert s["eval_samples"] == 99 and s["loss_per"] == "item" and "next_token_accuracy" in s["eval"]
-    assert s["eval"]["loss"] == pytest.approx(summary(tmp_path / "base")["eval"]["loss"], abs=1e-5)
+    assert s["eval"]["loss"] == pytest.approx(base["eval"]["loss"], abs=1e-5)
+    # Perplexity: exactly the exponential of the token-mean loss over the whole set, on 1 and on 2 processes.
+    for run in (s, base):
+        assert run["eval"]["perplexity"] == math.exp(run["eval"]["loss"]) and run["eval"]["perplexity"] > 1
+    assert s["eval"]["perplexity"] == pytest.approx(base["eval"]["perplexity"], rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------- detection
