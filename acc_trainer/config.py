@@ -212,6 +212,9 @@ class TrainConfig:
         None, "stop when the evaluation 'loss' or this metric has not improved for --patience evaluations (lower is "
         "better for loss, mae and names ending in loss or error)", metavar="METRIC")
     patience: int = _opt(3, "--early-stop: evaluations without improvement before the run stops")
+    eval_every: int | None = _opt(None, "evaluate every N optimizer steps (and after the last) instead of after every "
+                                        "epoch; --early-stop, --save-best and --patience count these evaluations",
+                                  metavar="N")
     min_delta: float = _opt(0.0, "--early-stop: the least change that counts as an improvement", metavar="X")
     skip_bad_samples: bool = _opt(
         False, "skip optimizer steps whose batch holds a training sample that cannot be read (counted and named in "
@@ -236,7 +239,7 @@ class TrainConfig:
                      "lr_step_epochs", "lr_reference_batch", "dist_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_batch_size", "image_size", "keep_last"):
+        for name in ("max_steps", "eval_batch_size", "image_size", "keep_last", "eval_every"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")

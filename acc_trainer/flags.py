@@ -48,7 +48,7 @@ THEMES = {
     "Data": ("augment", "mixup", "cutmix", "label_smoothing", "ema", "data_pipeline", "num_workers", "train_size",
              "eval_size", "image_size"),
     "Run files and output": ("output_dir", "log_every", "log_with", "progress", "plots"),
-    "Evaluation": ("metrics", "early_stop", "patience", "min_delta"),
+    "Evaluation": ("metrics", "eval_every", "early_stop", "patience", "min_delta"),
     "Checkpoints and faults": ("checkpoint_every", "keep_last", "resume", "save_best", "skip_nonfinite",
                                "skip_bad_samples"),
     "GPU speed": ("compile", "channels_last", "tf32"),

@@ -46,7 +46,7 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
     """The training loop, on the objects of `job`: the model, the data, the loss and the metrics (`group`: the
     processes, when the caller has started them)."""
     r = setup(cfg, job, group)
-    state, trained = r.state, r.trained
+    state = r.state
     where = lambda: (f"epoch {r.epoch + 1}, after optimizer step {state.step}, process "
                      f"{r.accelerator.process_index} of {r.world}")
     try:
@@ -57,15 +57,10 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
                 if not _epoch_trained(r, epoch):  # else: resumed before this epoch's evaluation
                     with stream_faults(lambda e: _stream_stop(r, e, "training")):
                         train_epoch(r, signals)
-                # Evaluate after every epoch (and after the last step when --max-steps ends mid-epoch).
+                # Evaluate after every epoch (with --eval-every, every N steps instead), and after the last step.
                 since = time.perf_counter()
-                if r.loaders.eval is not None:
-                    with stream_faults(lambda e: _stream_stop(r, e, "evaluation")):
-                        results = evaluate(r.accelerator, trained.ema.module if trained.ema else trained.model,
-                                           r.loaders.eval, r.scoring.eval_loss_fn, r.scoring.metrics, cfg.channels_last,
-                                           trained.input_dtype, guarded=reads_files(r.job.data.eval),
-                                           forward_fn=r.job.forward, tables=r.scoring.checked.tables, watch=r.watch)
-                    keep_evaluation(r, results)
+                if not cfg.eval_every or state.step % cfg.eval_every == 0 or state.step == r.shape.total_steps:
+                    evaluate_now(r)
                 if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint from here starts the next epoch
                     state.stream = stream_position(epoch + 1, state.step, state.stream["epoch_steps"])
                 if cfg.checkpoint_epochs or (r.shape.checkpoint_steps and state.step % r.shape.checkpoint_steps == 0):
@@ -78,6 +73,20 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
     except BaseException:
         _trackers_finished(r.accelerator)
         raise
+
+
+def evaluate_now(r: Run) -> None:
+    """Evaluates the model (the EMA's, with --ema) at this step and keeps the result (keep_evaluation); once a
+    step: an early stop at an --eval-every evaluation ends the epoch at that step, which is evaluated."""
+    trained = r.trained
+    if r.loaders.eval is None or (r.state.evals and r.state.evals[-1]["step"] == r.state.step):
+        return
+    with stream_faults(lambda e: _stream_stop(r, e, "evaluation")):
+        results = evaluate(r.accelerator, trained.ema.module if trained.ema else trained.model, r.loaders.eval,
+                           r.scoring.eval_loss_fn, r.scoring.metrics, r.cfg.channels_last, trained.input_dtype,
+                           guarded=reads_files(r.job.data.eval), forward_fn=r.job.forward,
+                           tables=r.scoring.checked.tables, watch=r.watch)
+    keep_evaluation(r, results)
 
 
 def _trackers_finished(accelerator) -> None:
@@ -137,10 +146,7 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
     loss_fn, forward_fn, checked = r.scoring.loss_fn, r.job.forward, r.scoring.checked
     items, item_scale = checked.items, checked.item_scale
     guarded, channels_last = reads_files(r.job.data.train), cfg.channels_last
-    model.train()
-    if _frozen_now(r):
-        for norm in r.trained.tuning.frozen_norms:
-            norm.eval()  # their running statistics stay as they are
+    _training_mode(r)
     if r.streaming:  # read from the stream's position (the loader moves it on as it hands out each step)
         r.output.progress.new_epoch(r.epoch, done=state.step - state.stream["start"], first_step=state.stream["start"])
         batches = r.loaders.train.epoch(r.epoch, state.stream)
@@ -186,6 +192,13 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
         # is known only once it ends: a checkpoint there resumes into the evaluation).
         if state.step == r.shape.total_steps or (not r.streaming and state.step % r.shape.per_epoch == 0):
             return
+        if cfg.eval_every and state.step % cfg.eval_every == 0:  # before the checkpoint, which then holds it
+            since = time.perf_counter()
+            evaluate_now(r)
+            clock.exclude(since)  # evaluation is not training time
+            _training_mode(r)
+            if state.stopped_early:  # --early-stop: the run ends at this step (run evaluates no more)
+                return
         if r.shape.checkpoint_steps and state.step % r.shape.checkpoint_steps == 0:
             save_checkpoint(r)
         stop_if_signalled(r, signals, check=state.step % cfg.log_every == 0)
@@ -193,6 +206,13 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
         watch.at("data")
     if r.streaming:
         _stream_ended(r)
+
+
+def _training_mode(r: Run) -> None:
+    r.trained.model.train()
+    if _frozen_now(r):
+        for norm in r.trained.tuning.frozen_norms:
+            norm.eval()  # their running statistics stay as they are
 
 
 def _stream_ended(r: Run) -> None:

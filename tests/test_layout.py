@@ -90,7 +90,7 @@ def test_every_function_fits_in_a_readers_head():
 
 def test_the_training_steps_read_in_one_sitting():
     """loop.py holds the steps (epoch, micro-batch, optimizer step, gradient normalisation, logging, checkpoint,
-    stop) and reads as a recipe: setup, one epoch, evaluation, finish; setup, evaluation, the summary and the
+    stop) and reads as a recipe: setup, one epoch, evaluation (evaluate_now), finish; setup, evaluation, the summary and the
     public API live beside it."""
     loop = (PACKAGE / "loop.py").read_text()
     assert len(loop.splitlines()) <= 500
@@ -100,8 +100,8 @@ def test_the_training_steps_read_in_one_sitting():
     calls = sorted((n.lineno, n.col_offset, n.func.id) for n in ast.walk(run)
                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
     called = [name for _, _, name in calls]
-    assert [c for c in called if c in ("setup", "train_epoch", "evaluate", "finish")] == \
-        ["setup", "train_epoch", "evaluate", "finish"]
+    assert [c for c in called if c in ("setup", "train_epoch", "evaluate_now", "finish")] == \
+        ["setup", "train_epoch", "evaluate_now", "finish"]
 
 
 def test_no_bags_and_no_globals_that_steer():
