@@ -179,6 +179,9 @@ class TrainConfig:
     sync_bn: bool = _opt(False, "convert BatchNorm layers to SyncBatchNorm (statistics over all processes)")
     compile: bool = _opt(False, "compile the model with torch.compile (inductor), through Accelerate")
     channels_last: bool = _opt(False, "keep images and convolution weights in channels-last memory format")
+    gradient_checkpointing: bool = _opt(
+        False, "recompute activations in the backward pass instead of keeping them (less memory, more compute): a "
+        "transformers model's own switch, non-reentrant")
     tf32: bool = _opt(True, "on GPUs from Ampere on, let float32 matmuls and convolutions use TF32 tensor cores")
     dist_timeout: int = _opt(
         1800, "seconds a process waits for the others at a collective before failing with an error (the backstop: "

@@ -51,7 +51,7 @@ THEMES = {
     "Evaluation": ("metrics", "eval_every", "early_stop", "patience", "min_delta"),
     "Checkpoints and faults": ("checkpoint_every", "keep_last", "resume", "save_best", "skip_nonfinite",
                                "skip_bad_samples"),
-    "GPU speed": ("compile", "channels_last", "tf32"),
+    "GPU speed": ("compile", "channels_last", "tf32", "gradient_checkpointing"),
 }
 
 

@@ -26,7 +26,7 @@ from . import augment as augmentation
 from . import checkpoints, components, engines, patches, processes
 from .checkpoints import Checkpoints
 from .components import Checked, Workload, first_samples
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 from .data import steps_per_epoch
 from .loaders import build_loaders, dataloader_config, on_device
 from .losses import cross_entropy, model_loss
@@ -157,6 +157,25 @@ class _Origin:
     notes: list[str]  # checkpoints --resume auto skipped, and why
 
 
+def _gradient_checkpointing(model) -> None:
+    """--gradient-checkpointing through a transformers model's own switch, non-reentrant: the reentrant form
+    recomputes under DDP's hooks a second time and needs inputs that require gradients (frozen embeddings,
+    LoRA). A module of one's own has no switch: it calls torch.utils.checkpoint in its forward."""
+    # transformers 5 renamed the switch (the old name warns); earlier versions have only the old one.
+    if hasattr(model, "activation_checkpointing_enable"):
+        enable = lambda: model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        enable = lambda: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} has no gradient_checkpointing_enable "
+                          "(transformers models have); in a module of your own, call torch.utils.checkpoint."
+                          "checkpoint(block, x, use_reentrant=False) in its forward instead")
+    try:
+        enable()
+    except ValueError as e:  # a transformers model that does not support it says so
+        raise ConfigError(f"--gradient-checkpointing: {first_line(e)}") from None
+
+
 def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     """Processes, the Accelerator, the pieces checked on one sample, `prepare`, the state (from a
     checkpoint when resuming), and only then the run folder: a failed start leaves nothing behind."""
@@ -187,6 +206,8 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.gradient_checkpointing:
+        _gradient_checkpointing(model)
     tuning = _fine_tuning(cfg, model, origin.resumed)  # --init-from, --freeze (before the groups and prepare)
     notes += tuning.notes
     optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed)

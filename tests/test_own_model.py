@@ -410,3 +410,48 @@ def test_a_transformers_run_folder_loads_with_from_pretrained(tmp_path):
             assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 0
     sums = (out / "SHA256SUMS").read_text()
     assert "config.json" in sums and "generation_config.json" in sums  # verified as the weights are
+
+
+def _gpt2_fit(tmp_path, name, **options):
+    """A 2-layer GPT-2 (dropout on) trained by fit() on fixed token rows: its final weights, and how many
+    tensors a training forward pass of the model (as fit left it) keeps for the backward pass."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import acc_trainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=50))
+    ids = torch.randint(0, 50, (32, 16), generator=torch.Generator().manual_seed(1))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    options = {"max_steps": 6, **options}
+    acc_trainer.fit(model, [{"input_ids": row, "labels": row} for row in ids], batch_size=8, optimizer="sgd", lr=0.1,
+                    progress="none", plots=False, output_dir=str(tmp_path / name), **options)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        model.train()(input_ids=ids[:2], labels=ids[:2])
+    return load_file(tmp_path / name / "model.safetensors"), len(kept)
+
+
+def test_gradient_checkpointing_trains_the_same_weights(tmp_path):
+    """--gradient-checkpointing through the transformers model's own switch (non-reentrant; dropout's random
+    numbers replayed in the recomputation): the weights of a run without it, within 1e-6."""
+    (plain, kept), (checkpointed, recomputed) = _gpt2_fit(tmp_path, "plain"), _gpt2_fit(tmp_path, "checkpointed",
+                                                                                         gradient_checkpointing=True)
+    assert recomputed < kept / 2, (recomputed, kept)  # the blocks' activations are recomputed, not kept
+    assert max((plain[k] - checkpointed[k]).abs().max().item() for k in plain) <= 1e-6
+    one_step, _ = _gpt2_fit(tmp_path, "one step", max_steps=1)
+    assert any((plain[k] != one_step[k]).any() for k in plain)  # six steps moved the weights on
+
+
+def test_gradient_checkpointing_on_a_module_without_the_switch_is_one_line(fit, project):
+    from my_data import load
+    from my_model import Net
+
+    import acc_trainer
+
+    with pytest.raises(acc_trainer.ConfigError, match=r"--gradient-checkpointing: Net has no gradient_checkpointing_"
+                                                      r"enable .* call torch.utils.checkpoint.checkpoint"):
+        fit(Net(4), *load(), gradient_checkpointing=True, output_dir=str(project / "never"))
+    assert not (project / "never").exists()
