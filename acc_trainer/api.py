@@ -26,7 +26,8 @@ def train(cfg: TrainConfig) -> dict:
 
 def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
         optimizer=None, scheduler=None, config: TrainConfig | None = None, **options) -> dict:
-    """Train `model` (a plain nn.Module) on `train_data`, evaluating on `eval_data` after every epoch.
+    """Train `model` (a plain nn.Module) on `train_data`, evaluating on `eval_data` after every epoch (or every
+    `eval_every` steps).
 
     Datasets are map-style and yield `(inputs, targets)` or dicts of tensors (the model is then
     called as `model(**batch)`, targets are `batch["labels"]`). `loss`: a function

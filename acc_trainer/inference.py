@@ -46,7 +46,7 @@ FORMATS = (".jsonl", ".csv", ".npz")
 # ----------------------------------------------------------------------------------------- Python
 
 
-def evaluate(model_or_run, dataset=None, /, *, model=None, data=None, weights=None, loss=None, metrics=None,
+def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=None, loss=None, metrics=None,
              collate_fn=None, forward=None, config: TrainConfig | None = None, **options) -> dict:
     """`model` (with its weights loaded) evaluated on `dataset`, exactly, on every process of a launch:
     the loss and every metric over the whole set (metrics as for `fit`; metrics with state computed once),
@@ -54,7 +54,9 @@ def evaluate(model_or_run, dataset=None, /, *, model=None, data=None, weights=No
 
     `evaluate(RUN_DIR, model=..., data=...)`: a finished run's weights (RUN_DIR/model.safetensors, or `weights`,
     verified against the run's digests) loaded into `model`, as built before training, with the run's options
-    (config.yaml) under `config` and `options`; how to evaluate a run that `fit()` made from objects."""
+    (config.yaml) under `config` and `options`; how to evaluate a run that `fit()` made from objects (give its
+    `loss` and `metrics` again: config.yaml names only those given by name). `weights` with a model object: loaded
+    into it first."""
     from .api import fit_config
 
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate")
@@ -63,7 +65,7 @@ def evaluate(model_or_run, dataset=None, /, *, model=None, data=None, weights=No
     return _evaluate(cfg, job, dataset)
 
 
-def predict(model_or_run, dataset=None, /, *, model=None, data=None, weights=None,
+def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=None,
             output: str | os.PathLike | None = None, collate_fn=None, forward=None, config: TrainConfig | None = None,
             **options) -> list[dict] | Path:
     """The model's predictions for every sample of `dataset`, in its order, one row per sample with its
@@ -81,9 +83,13 @@ def predict(model_or_run, dataset=None, /, *, model=None, data=None, weights=Non
 def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str) -> tuple:
     """(the model, the dataset, the config) that `evaluate`/`predict` were given: a model and a dataset, or a run
     folder with the model (its weights loaded from the run here) and the data."""
+    if dataset is not None and data is not None:
+        raise ConfigError(f"{command}: give the data once (second, or as data=)")
     if not isinstance(model_or_run, (str, os.PathLike)):
         if model is not None:
             raise ConfigError(f"{command}: give the model once (first, or as model= after a run folder)")
+        if weights is not None:
+            _load_weights(model_or_run, Path(weights), type(model_or_run).__name__)
         return model_or_run, dataset if dataset is not None else data, config
     run = Path(model_or_run)
     if not (run / "config.yaml").is_file():
@@ -101,8 +107,10 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
 
 
 def _load_weights(model, weights: Path, name: str) -> None:
-    """`weights` (checked against the digest the run wrote, where there is one) into `model`, strictly."""
-    from safetensors.torch import load_file
+    """`weights` (checked against the digest the run wrote, where there is one) into `model`, every tensor: a
+    safetensors file through safetensors' `load_model`, which fills in a tied tensor the file holds once (a
+    causal LM's output layer, tied to its embedding)."""
+    from safetensors.torch import load_model
 
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give the "
@@ -111,9 +119,10 @@ def _load_weights(model, weights: Path, name: str) -> None:
     if problem:
         raise ConfigError(f"the weights {weights} are {problem}")
     try:
-        state = load_file(weights) if weights.suffix == ".safetensors" else torch.load(weights, weights_only=True,
-                                                                                        map_location="cpu")
-        model.load_state_dict(state)
+        if weights.suffix == ".safetensors":
+            load_model(model, weights, strict=True)
+        else:
+            model.load_state_dict(torch.load(weights, weights_only=True, map_location="cpu"))
     except Exception as e:  # noqa: BLE001 - a file that is not these weights is the user's input
         raise ConfigError(f"the weights {weights} do not load into {name}: {type(e).__name__}: {first_line(e)}") from None
 
@@ -409,7 +418,7 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str) ->
     if not (args.run / "config.yaml").is_file():
         raise ConfigError(f"{args.run} holds no config.yaml: not the folder of an acc_trainer run")
     made = json.loads((args.run / "summary.json").read_text()) if (args.run / "summary.json").is_file() else {}
-    if made.get("built_from") == "objects (fit)" and "model" not in args and "dataset" not in args:
+    if made.get("built_from") == "objects (fit)" and ("model" not in args or "dataset" not in args):
         raise ConfigError(f"{args.run} was trained by fit() on objects ({made['model']}, {made['dataset']}), which the "
                           "command line cannot build again: give --model and --dataset as functions that build them "
                           f"(module:function), or from Python: acc_trainer.{command}({str(args.run)!r}, model=..., "

@@ -59,7 +59,7 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
                         train_epoch(r, signals)
                 # Evaluate after every epoch (with --eval-every, every N steps instead), and after the last step.
                 since = time.perf_counter()
-                if not cfg.eval_every or state.step % cfg.eval_every == 0 or state.step == r.shape.total_steps:
+                if _evaluation_due(r):
                     evaluate_now(r)
                 if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint from here starts the next epoch
                     state.stream = stream_position(epoch + 1, state.step, state.stream["epoch_steps"])
@@ -73,6 +73,13 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
     except BaseException:
         _trackers_finished(r.accelerator)
         raise
+
+
+def _evaluation_due(r: Run) -> bool:
+    """Whether the end of an epoch (or of the run) at this step is evaluated: always, unless --eval-every N
+    evaluates only at multiples of N (and after the last step)."""
+    step = r.state.step
+    return not r.cfg.eval_every or step % r.cfg.eval_every == 0 or step == r.shape.total_steps
 
 
 def evaluate_now(r: Run) -> None:
@@ -106,7 +113,8 @@ def epochs_left(r: Run):
     and a stream of unknown length, epochs follow each other until the last step."""
     state = r.state
     finished = r.shape.total_steps is not None and state.step >= r.shape.total_steps
-    evaluated = r.loaders.eval is None or bool(state.evals) and state.evals[-1]["step"] == state.step
+    evaluated = (r.loaders.eval is None or bool(state.evals) and state.evals[-1]["step"] == state.step
+                 or not _evaluation_due(r))  # --eval-every: an epoch's end that calls for none
     if state.stopped_early or (finished and evaluated):
         return
     if r.streaming:

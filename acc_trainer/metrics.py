@@ -60,7 +60,7 @@ METRICS: dict[str, Callable] = {
 def perplexity(loss: float) -> float:
     """exp(the evaluation's loss): for a token loss, the exponential of the mean over every real token of the
     set (not of a mean of per-batch means)."""
-    return math.exp(loss) if loss < 709 else math.inf  # beyond that, float64 overflows
+    return math.inf if loss > 709 else math.exp(loss)  # beyond 709 float64 overflows; a NaN loss stays NaN
 
 
 FROM_LOSS: dict[str, Callable[[float], float]] = {"perplexity": perplexity}

@@ -9,6 +9,8 @@ tensor once) and gives the same outputs. transformers is not imported: the model
 
 from __future__ import annotations
 
+import copy
+import sys
 from pathlib import Path
 
 
@@ -19,11 +21,22 @@ def config_files(module, folder: Path) -> list[str]:
     if (not hasattr(module, "save_pretrained") or not hasattr(config, "save_pretrained")
             or hasattr(module, "peft_config")):
         return []
-    config.architectures = [type(module).__name__]  # as save_pretrained records it: which class to build
-    config.save_pretrained(folder)
-    written = ["config.json"]
-    generation = getattr(module, "generation_config", None)
-    if generation is not None and module.can_generate():
-        generation.save_pretrained(folder)
-        written.append("generation_config.json")
+    config = copy.deepcopy(config)  # the user's model keeps its own
+    # Which class to build, as save_pretrained records it (FSDP2 renames the class: FSDPGPT2LMHeadModel).
+    config.architectures = [next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))]
+    written = []
+    try:
+        config.save_pretrained(folder)
+        written.append("config.json")
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and module.can_generate():
+            generation.save_pretrained(folder)
+            written.append("generation_config.json")
+    except (ValueError, TypeError) as e:  # transformers refuses a config it finds invalid: the weights still count
+        for name in ("config.json", "generation_config.json"):
+            (folder / name).unlink(missing_ok=True)
+        print(f"acc-trainer: warning: {type(module).__name__}'s config was not written beside its weights in {folder} "
+              f"(transformers: {str(e).splitlines()[0] if str(e) else type(e).__name__}); the weights were",
+              file=sys.stderr)
+        return []
     return written

@@ -383,15 +383,17 @@ def test_best_checkpoint_and_final_weights(train_in_process):
 
 def test_eval_every_n_steps_with_early_stopping_and_a_resume_counting_the_same(train_in_process, tmp_path):
     """--eval-every 5 on 16-step epochs: evaluations at steps 5, 10, 15, 20 ... (none at the epochs' ends), the
-    best checkpoint and the early stop counted in them; resumed from a checkpoint between two evaluations, the
-    run evaluates at the same steps, stops at the same one and ends with the same weights."""
+    best checkpoint and the early stop counted in them; resumed from the checkpoint at the first epoch's end,
+    between two evaluations, the run evaluates at the same steps, stops at the same one and ends with the same
+    weights."""
     job = dict(model="mlp", train_size=1024, eval_size=256, batch_size=64, epochs=6, optimizer="sgd", lr=0.3,
-               eval_every=5, save_best="loss", early_stop="loss", patience=2, min_delta=0.02, checkpoint_every="7",
+               eval_every=5, save_best="loss", early_stop="loss", patience=2, min_delta=0.02, checkpoint_every="8",
                log_every=5)
     whole = train_in_process(**job)
     steps = [e["step"] for e in whole["evals"]]
     assert steps[:4] == [5, 10, 15, 20] and all(s % 5 == 0 for s in steps) and 16 not in steps
     assert whole["steps"] == steps[-1] < 96, steps  # stopped early, at an evaluation
+    assert whole["steps"] % 16, steps  # in the middle of an epoch: the run ends at the step, not the epoch's end
     losses = [e["loss"] for e in whole["evals"]]
     best = min(range(len(losses)), key=lambda i: losses[i])
     assert whole["best"]["step"] == steps[best] and len(steps) - 1 - best >= 2  # patience 2, counted in evaluations
@@ -399,8 +401,9 @@ def test_eval_every_n_steps_with_early_stopping_and_a_resume_counting_the_same(t
     logged = [m["step"] for m in metrics(out) if "eval_loss" in m]
     assert logged == steps
 
-    checkpoint = out / "checkpoints" / "step-00000014"  # after the step-10 evaluation, before the step-15 one
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["evals"][-1]["step"] == 10
+    # The end of the first epoch, which --eval-every 5 does not evaluate: after the step-15 evaluation, before 20.
+    checkpoint = out / "checkpoints" / "step-00000016"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["evals"][-1]["step"] == 15
     resumed = train_in_process(**job, resume=str(checkpoint), output_dir=str(tmp_path / "resumed"))
     assert [e["step"] for e in resumed["evals"]] == steps and resumed["evals"] == whole["evals"]
     assert resumed["steps"] == whole["steps"] and resumed["best"] == whole["best"]

@@ -410,6 +410,33 @@ def test_a_transformers_run_folder_loads_with_from_pretrained(tmp_path):
             assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 0
     sums = (out / "SHA256SUMS").read_text()
     assert "config.json" in sums and "generation_config.json" in sums  # verified as the weights are
+    # The run's weights into a fresh model: the tied output layer, held once in the file, is filled in too.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    fresh = acc_trainer.evaluate(out, model=GPT2LMHeadModel(model.config), data=samples[:8], progress="none")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert fresh == acc_trainer.evaluate(model, samples[:8], progress="none")
+
+
+def test_a_config_transformers_refuses_to_write_leaves_the_weights(tmp_path, capsys):
+    """transformers raises ValueError for a config it finds invalid: a warning, not a crash of the main process
+    alone (the others would wait at the next collective)."""
+    from acc_trainer.pretrained import config_files
+
+    class Refused:
+        def save_pretrained(self, folder):
+            (folder / "config.json").write_text("{")
+            raise ValueError("temperature is set but do_sample is False")
+
+    class Model:
+        config = Refused()
+
+        def save_pretrained(self, folder):
+            pass
+
+    assert config_files(Model(), tmp_path) == [] and not (tmp_path / "config.json").exists()
+    assert "Model's config was not written beside its weights" in capsys.readouterr().err
 
 
 def _gpt2_fit(tmp_path, name, **options):
