@@ -89,7 +89,7 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
         if model is not None:
             raise ConfigError(f"{command}: give the model once (first, or as model= after a run folder)")
         if weights is not None:
-            _load_weights(model_or_run, Path(weights), type(model_or_run).__name__)
+            _load_weights(model_or_run, _verified(Path(weights), "weights="), type(model_or_run).__name__)
         return model_or_run, dataset if dataset is not None else data, config
     run = Path(model_or_run)
     if not (run / "config.yaml").is_file():
@@ -97,7 +97,7 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
     if model is None or (dataset if dataset is not None else data) is None:
         raise ConfigError(f"{command}({str(run)!r}, model=..., data=...): give the model as it was built before "
                           "training (the run's weights are loaded into it) and the data to use")
-    weights = Path(weights) if weights is not None else run / "model.safetensors"
+    weights = _verified(Path(weights) if weights is not None else run / "model.safetensors", "weights=")
     _load_weights(model, weights, type(model).__name__)
     if config is None:
         from .flags import parse_config
@@ -106,18 +106,24 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
     return model, dataset if dataset is not None else data, config
 
 
-def _load_weights(model, weights: Path, name: str) -> None:
-    """`weights` (checked against the digest the run wrote, where there is one) into `model`, every tensor: a
-    safetensors file through safetensors' `load_model`, which fills in a tied tensor the file holds once (a
-    causal LM's output layer, tied to its embedding)."""
-    from safetensors.torch import load_model
-
+def _verified(weights: Path, give: str) -> Path:
+    """`weights`, once they exist and match the digest the run wrote (where there is one); `give`: how to name
+    other weights."""
     if not weights.is_file():
-        raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give the "
-                          "weights to load: never an evaluation of random weights")
+        raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give {give}"
+                          f"{'' if give.endswith('=') else ' '}FILE: never an evaluation of random weights")
     problem = damage(weights.parent, only=weights.name)
     if problem:
         raise ConfigError(f"the weights {weights} are {problem}")
+    return weights
+
+
+def _load_weights(model, weights: Path, name: str) -> None:
+    """`weights` (verified: `_verified`) into `model`, every tensor: a safetensors file through safetensors'
+    `load_model`, which fills in a tied tensor the file holds once (a causal LM's output layer, tied to its
+    embedding)."""
+    from safetensors.torch import load_model
+
     try:
         if weights.suffix == ".safetensors":
             load_model(model, weights, strict=True)
@@ -423,13 +429,7 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str) ->
                           "command line cannot build again: give --model and --dataset as functions that build them "
                           f"(module:function), or from Python: acc_trainer.{command}({str(args.run)!r}, model=..., "
                           "data=...)")
-    weights = args.weights or args.run / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give --weights "
-                          "FILE: never an evaluation of random weights")
-    problem = damage(weights.parent, only=weights.name)  # against the digest the run wrote, where there is one
-    if problem:
-        raise ConfigError(f"the weights {weights} are {problem}")
+    weights = _verified(args.weights or args.run / "model.safetensors", "--weights")
     if "config" not in args:  # a --config given here replaces the run's, as it always did
         args.config = args.run / "config.yaml"
     return config_from(args), _Command(args.run, weights, args.output, args.split)
