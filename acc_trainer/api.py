@@ -25,7 +25,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
-        optimizer=None, scheduler=None, config: TrainConfig | None = None, **options) -> dict:
+        optimizer=None, scheduler=None, tokenizer=None, config: TrainConfig | None = None, **options) -> dict:
     """Train `model` (a plain nn.Module) on `train_data`, evaluating on `eval_data` after every epoch (or every
     `eval_every` steps).
 
@@ -37,7 +37,8 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     `metrics`: a dict of name -> `metric(outputs, targets)` (one value per sample) or built-in names.
     `collate_fn(samples) -> batch` batches samples of different sizes; `forward(model, batch) ->
     (outputs, targets)` replaces the default model call (or "with_targets"). `optimizer`: a name or
-    `factory(param_groups) -> Optimizer`; `scheduler`: a name or `factory(optimizer, total_steps)`. `options`
+    `factory(param_groups) -> Optimizer`; `scheduler`: a name or `factory(optimizer, total_steps)`. `tokenizer`: a
+    transformers tokenizer (or what `--tokenizer` takes), saved with the weights and used for `prompts`. `options`
     are TrainConfig fields (`epochs=3, batch_size=256, init_from="w.pt", ...`), applied over `config`. Every
     process of a launch calls this with the same arguments; returns the run summary.
     """
@@ -52,10 +53,13 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
             options[name] = given
         elif given is not None:
             factories[name] = components._callable(given, repr(given), f"fit: {name}")
+    if isinstance(tokenizer, str):
+        options["tokenizer"], tokenizer = tokenizer, None
     cfg = fit_config(model, train_data, config, options, collate_fn, forward)
     job = components.from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
-                                  forward or cfg.forward)
+                                  forward or cfg.forward, cfg.pack)
     job.optimizer, job.scheduler = factories.get("optimizer"), factories.get("scheduler")
+    job.tokenizer = tokenizer  # an object; one named by cfg.tokenizer is loaded by the loop (generation.ready)
     return run(cfg, job)
 
 

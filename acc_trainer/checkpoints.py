@@ -40,7 +40,8 @@ NAME = re.compile(r"^step-(\d+)$")
 # computed. Every other option must match the checkpoint's.
 MAY_CHANGE = {"output_dir", "resume", "data_dir", "num_workers", "data_pipeline", "log_with", "progress", "plots",
               "dist_timeout", "hang_timeout",
-              "eval_batch_size", "checkpoint_every", "keep_last"}
+              "eval_batch_size", "checkpoint_every", "keep_last", "lora_merge",
+              "tokenizer", "prompts", "max_new_tokens"}
 
 
 class Checkpoints:

@@ -16,7 +16,7 @@ import sys
 from .config import ConfigError, did_you_mean, first_line
 from .flags import parse_config
 
-COMMANDS = ("launch", "report", "bench", "check", "check-data", "evaluate", "predict")
+COMMANDS = ("launch", "report", "bench", "bench-lm", "check", "check-data", "evaluate", "predict")
 
 
 def check_data(argv: list[str]) -> None:
@@ -50,6 +50,38 @@ def check_data(argv: list[str]) -> None:
         sys.exit(1)
 
 
+SUBCOMMANDS = ("report", "launch", "check-data", "evaluate", "predict", "check", "bench", "bench-lm")
+
+
+def sub_command(name: str):
+    """The function of sub-command `name`, its module imported only now (the tools' among them)."""
+    if name == "report":
+        from .tools.report import main as report
+
+        return report
+    if name == "launch":
+        from .launching import main as launch
+
+        return launch
+    if name == "check-data":
+        return check_data
+    if name in ("evaluate", "predict"):
+        from .inference import main_evaluate, main_predict
+
+        return main_evaluate if name == "evaluate" else main_predict
+    if name == "check":
+        from .tools.check import main as check
+
+        return check
+    if name == "bench":
+        from .tools.bench import main as bench
+
+        return bench
+    from .tools.lm_bench import main as bench_lm  # acc_trainer against the Hugging Face Trainer on a language model
+
+    return bench_lm
+
+
 def command() -> None:
     """The `acc-trainer` command and `python -m acc_trainer`: `main`, in a process that then ends."""
     try:
@@ -66,28 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     several = rank is not None and os.environ.get("WORLD_SIZE", "1") != "1"
     try:
         argv = sys.argv[1:] if argv is None else argv
-        if argv[:1] == ["report"]:
-            from .tools.report import main as report
-
-            return report(argv[1:])
-        if argv[:1] == ["launch"]:
-            from .launching import main as launch
-
-            return launch(argv[1:])
-        if argv[:1] == ["check-data"]:
-            return check_data(argv[1:])
-        if argv[:1] in (["evaluate"], ["predict"]):
-            from .inference import main_evaluate, main_predict
-
-            return (main_evaluate if argv[0] == "evaluate" else main_predict)(argv[1:])
-        if argv[:1] == ["check"]:
-            from .tools.check import main as check
-
-            return check(argv[1:])
-        if argv[:1] == ["bench"]:
-            from .tools.bench import main as bench
-
-            return bench(argv[1:])
+        if argv[:1] and argv[0] in SUBCOMMANDS:
+            return sub_command(argv[0])(argv[1:])
         if argv and not argv[0].startswith("-"):  # training takes no positional argument: a mistyped command
             hint = did_you_mean(argv[0], COMMANDS) or f"; the commands are {', '.join(COMMANDS)}"
             raise ConfigError(f"unknown command {argv[0]!r}{hint}")
@@ -98,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
         keep_freed_memory()  # the command's process is the trainer's own (docs/performance.md)
         train(cfg)
         if several:
+            from accelerate import PartialState
+
+            PartialState().destroy_process_group()  # the run is over; fit() leaves it to the script that called it
             leave_without_teardown(0)
     except ConfigError as e:
         line = f"acc-trainer: error{f' (rank {rank})' if several else ''}: {e}"

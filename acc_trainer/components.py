@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader, default_collate
 
-from . import losses, streams
+from . import losses, packing, streams
 from . import metrics as builtin_metrics
 from .config import IMPORT_PATH, ConfigError, TrainConfig, first_line
 from .data import DATASETS, Data, Heads, InMemory, RawImages, check_data, is_stream, one_at_a_time, torchvision
@@ -63,6 +63,7 @@ class Workload:
     optimizer: Callable | None = None  # factory(param_groups) -> Optimizer (fit); None: --optimizer
     scheduler: Callable | None = None  # factory(optimizer, total_steps) -> scheduler (fit); None: --scheduler
     objects: bool = False  # given as objects (fit): model_name and dataset_name are their classes, not factories
+    tokenizer: Any = None  # --tokenizer's (or fit's): saved with the weights, used for --prompts (generation.py)
 
 
 def import_object(path: str, what: str) -> Any:
@@ -154,10 +155,12 @@ def build_data(cfg: TrainConfig) -> Data:
         if isinstance(made, Data):
             data = made
         elif isinstance(made, (tuple, list)) and len(made) == 2:
-            data = data_from(made[0], made[1], spec)
+            data = data_from(*packing.pack_sets(made[0], made[1], cfg.pack, spec), spec)
         else:
             raise ConfigError(f"dataset factory {spec} returned {type(made).__name__}; it must return a pair "
                               "(train_dataset, eval_dataset)")
+    if cfg.pack and not isinstance(data.train, packing.Packed):  # a built-in set: refused there, naming its samples
+        data = data_from(*packing.pack_sets(data.train, data.eval, cfg.pack, spec), spec)
     check_data(data, cfg.batch_size, spec)
     return data
 
@@ -307,11 +310,13 @@ def _callable(obj: Any, spec: str, what: str) -> Callable:
 # -------------------------------------------------------------------------------------- from objects
 
 
-def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate=None, forward=None) -> Workload:
-    """`fit()`'s arguments as a Workload: the same checks the command line's objects get."""
+def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate=None, forward=None,
+                 pack: int | None = None) -> Workload:
+    """`fit()`'s arguments as a Workload: the same checks the command line's objects get (`pack`: --pack)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
-    data = data_from(train_data, eval_data, type(train_data).__name__)
+    name = type(train_data).__name__
+    data = data_from(*packing.pack_sets(train_data, eval_data, pack, name), name)
     loss_name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
     if isinstance(loss, str):
         loss = build_loss(loss)
@@ -529,6 +534,7 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
         metrics = {"accuracy": builtin_metrics.accuracy} if labels and targets.dim() == 1 else {}
     metrics = {name: m.for_outputs(outputs, targets) if isinstance(m, type) else m for name, m in metrics.items()}
     _check_metrics(job, metrics, outputs, targets, eval_loss)
+    packing.check_attention(model, job.collate, job.forward, job.data.train, job.model_name)  # packed sets only
     # A classification run also keeps its confusion matrix and per-class table (plots/confusion.png, summary.json).
     tables = {"confusion": builtin_metrics.Confusion.for_outputs(outputs, targets)} if labels and targets.dim() == 1 \
         and _class_scores(outputs) else {}

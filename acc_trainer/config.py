@@ -86,6 +86,10 @@ class TrainConfig:
         None, "how a batch goes through the model: default (a pair calls model(inputs), a dict model(**batch)), "
         "with_targets (model(inputs, targets) while training, model(inputs) in evaluation: torchvision's detection "
         "models), or pkg.module:function(model, batch) returning (outputs, targets)", metavar="NAME|PATH")
+    tokenizer: str | None = _opt(
+        None, "the text's tokenizer: a folder saved with save_pretrained, a tokenizer.json, or pkg.module:factory "
+        "returning one; saved into the run folder and each checkpoint (AutoTokenizer.from_pretrained loads them), "
+        "used by --prompts and predict --generate", metavar="PATH")
     data_dir: str = _opt(
         "data",
         "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train/<class>/*, val/<class>/*)",
@@ -100,6 +104,10 @@ class TrainConfig:
         "batched", "batched: datasets held in memory (CIFAR, the generated ones, a user's tensors) stay on the training "
         "device and are augmented a batch at a time there; per-sample: every sample through the DataLoader (CIFAR "
         "through torchvision's PIL path). Datasets read from files are always per sample", choices=PIPELINES)
+    pack: int | None = _opt(
+        None, "pack the documents of tokens of the training and evaluation sets into blocks of this many tokens, each "
+        "document attending to itself only (through position_ids; refused for a model that attends across them) "
+        "and its first token never a target (docs/language-models.md#packing)", metavar="LENGTH")
 
     # Augmentation (training only; each sample's is a function of --seed, the epoch and its index).
     augment: str = _opt(
@@ -148,6 +156,15 @@ class TrainConfig:
     layer_decay: float | None = _opt(
         None, "layer-wise learning-rate decay: a layer at depth d of D gets lr x X^(D - d) (ResNets, ViTs, ConvNeXts)",
         metavar="X")
+    lora: int | None = _opt(
+        None, "train LoRA adapters of this rank (peft) instead of the model's weights, added after its starting weights "
+        "(its factory's, --init-from's); the run folder holds the adapter in peft's format", metavar="RANK")
+    lora_alpha: float | None = _opt(None, "--lora: the adapters' scale is alpha / rank (default: 2 x rank)", metavar="ALPHA")
+    lora_dropout: float = _opt(0.0, "--lora: dropout on the adapters' input", metavar="P")
+    lora_targets: list | None = _opt(
+        None, "--lora: the layers to adapt, by the last part of their names, comma-separated (e.g. q_proj,v_proj; "
+        "default for a transformers model: every linear layer but the output one)", metavar="NAMES")
+    lora_merge: bool = _opt(False, "--lora: also write the model with the adapters merged into <output-dir>/merged/")
 
     # Optimisation.
     optimizer: str = _opt("adam", "optimizer: sgd, adam, adamw, or an import path pkg.module:Class taking parameter "
@@ -219,6 +236,12 @@ class TrainConfig:
                                         "epoch; --early-stop, --save-best and --patience count these evaluations",
                                   metavar="N")
     min_delta: float = _opt(0.0, "--early-stop: the least change that counts as an improvement", metavar="X")
+    prompts: list | None = _opt(
+        None, "texts the model continues at each evaluation (greedy: the same text for the same weights), printed and "
+        "written to <output-dir>/samples.jsonl and the tracker: a text file with one prompt per line, or a YAML list "
+        "'[\"Once upon a time\", \"def main(\"]' (needs --tokenizer and a model with generate)", metavar="FILE|LIST",
+        lines=True)
+    max_new_tokens: int = _opt(32, "--prompts and predict --generate: the most tokens generated for each text")
     skip_bad_samples: bool = _opt(
         False, "skip optimizer steps whose batch holds a training sample that cannot be read (counted and named in "
         "the summary) instead of stopping")
@@ -242,10 +265,12 @@ class TrainConfig:
                      "lr_step_epochs", "lr_reference_batch", "dist_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_batch_size", "image_size", "keep_last", "eval_every"):
+        for name in ("max_steps", "eval_batch_size", "image_size", "keep_last", "eval_every", "max_new_tokens"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+        if self.pack is not None and self.pack < 2:
+            raise ConfigError(f"--pack takes a block length of at least 2 tokens, got {self.pack}")
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise ConfigError(f"--hang-timeout must be 0 (no watchdog) or positive, got {self.hang_timeout}")
         for name in ("lr", "lr_gamma"):
@@ -290,6 +315,16 @@ class TrainConfig:
             raise ConfigError("--unfreeze-at takes an epoch from 1 on, with --freeze")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise ConfigError(f"--layer-decay takes a factor in (0, 1], got {self.layer_decay}")
+        if self.lora is not None and self.lora <= 0:
+            raise ConfigError(f"--lora takes a positive rank, got {self.lora}")
+        lora_options = [n for n in ("lora_alpha", "lora_targets") if getattr(self, n) is not None]
+        lora_options += [n for n in ("lora_dropout", "lora_merge") if getattr(self, n)]
+        if lora_options and self.lora is None:
+            raise ConfigError(f"--{_flag(lora_options[0])} applies with --lora RANK")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-dropout takes a probability from 0 to below 1, got {self.lora_dropout}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ConfigError(f"--lora-alpha must be positive, got {self.lora_alpha}")
         if self.nesterov and self.optimizer != "sgd":
             raise ConfigError("--nesterov applies to --optimizer sgd only")
         return self
@@ -321,6 +356,18 @@ class TrainConfig:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def _lines(path: str, name: str) -> list[str]:
+    """The non-blank lines of a text file, each as it is (a prompt's spaces count), for an option of texts."""
+    try:
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--{_flag(name)} {path}: cannot be read ({getattr(e, 'strerror', None) or type(e).__name__}); "
+                          "give a text file with one item per line, or a YAML list '[\"...\", \"...\"]'") from None
+    if not lines:
+        raise ConfigError(f"--{_flag(name)} {path}: the file holds no text")
+    return lines
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -369,6 +416,9 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
             return None
         raise ConfigError(f"option {f.name!r} needs a value")
     base = kind.split("|")[0].strip()
+    texts = bool(f.metadata.get("lines"))  # a list of texts (kept as they are), or a text file of them
+    if texts and isinstance(value, str) and not value.lstrip().startswith("["):
+        value = _lines(value, f.name)
     try:
         if base == "bool":
             if isinstance(value, bool):
@@ -397,8 +447,8 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
             items = value
             if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
                 raise TypeError
-            return [i.strip() for i in items if i.strip()]
+            return [i if texts else i.strip() for i in items if i.strip()]
     except (TypeError, ValueError, yaml.YAMLError):
-        kind = {"dict": "a mapping", "list": "a list of names"}.get(base, base)
+        kind = {"dict": "a mapping", "list": "a list of texts" if texts else "a list of names"}.get(base, base)
         raise ConfigError(f"option {f.name!r} must be {kind}, got {value!r}") from None
     return value

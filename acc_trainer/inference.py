@@ -28,15 +28,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from accelerate import PartialState
 
-from . import components, evaluation, processes
+from . import adapters, checkpoints, components, evaluation, processes
 from .checkpoints import damage
 from .config import ConfigError, TrainConfig, first_line
 from .data import is_stream, length, one_at_a_time, reads_files
 from .evaluation import everyones, format_results, real_batches, stream_faults, unreadable_everywhere
+from .generation import check_generates, generated_rows
 from .loaders import evaluation_loader, stream_evaluation
-from .losses import forward, predictions
+from .losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
 from .setup import accelerator_for, training_loss
 from .stopping import TrainingStopped
 
@@ -61,8 +63,9 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
 
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate")
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
-    job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward)
-    return _evaluate(cfg, job, dataset)
+    job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward,
+                                  cfg.pack)
+    return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
 
 
 def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=None,
@@ -76,8 +79,9 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
 
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict")
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
-    job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward)
-    return _predict(cfg, job, dataset, Path(output) if output else None)[0]
+    job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
+                                  cfg.pack)
+    return _predict(cfg, job, job.data.train, Path(output) if output else None)[0]  # a row per block with --pack
 
 
 def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str) -> tuple:
@@ -97,13 +101,12 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
     if model is None or (dataset if dataset is not None else data) is None:
         raise ConfigError(f"{command}({str(run)!r}, model=..., data=...): give the model as it was built before "
                           "training (the run's weights are loaded into it) and the data to use")
-    weights = _verified(Path(weights) if weights is not None else run / "model.safetensors", "weights=")
-    _load_weights(model, weights, type(model).__name__)
     if config is None:
         from .flags import parse_config
 
         config = parse_config(["--config", str(run / "config.yaml")])
-    return model, dataset if dataset is not None else data, config
+    weights = _verified(Path(weights) if weights is not None else run / _weights_name(config), "weights=")
+    return _trained(model, weights, config), dataset if dataset is not None else data, config
 
 
 def _verified(weights: Path, give: str) -> Path:
@@ -116,6 +119,22 @@ def _verified(weights: Path, give: str) -> Path:
     if problem:
         raise ConfigError(f"the weights {weights} are {problem}")
     return weights
+
+
+def _weights_name(cfg: TrainConfig) -> str:
+    """What a run folder holds its trained weights in: the adapter of a LoRA run, else the whole model."""
+    return "adapter_model.safetensors" if cfg.lora else "model.safetensors"
+
+
+def _trained(model, weights: Path, cfg: TrainConfig):
+    """`model`, built as the run built it before training, with the run's `weights`: a LoRA run's adapter goes on
+    the base weights the run started from (--init-from read again)."""
+    if not cfg.lora:
+        _load_weights(model, weights, type(model).__name__)
+        return model
+    if cfg.init_from:
+        checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
+    return adapters.load_adapter(model, weights.parent)
 
 
 def _load_weights(model, weights: Path, name: str) -> None:
@@ -167,12 +186,15 @@ def _evaluate(cfg: TrainConfig, job: components.Workload, dataset, group: proces
 
 
 def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None,
-             group: processes.Group | None = None) -> tuple:
-    """(OUTPUT, or the rows without one; the number of rows)."""
+             group: processes.Group | None = None, generate: bool = False) -> tuple:
+    """(OUTPUT, or the rows without one; the number of rows). `generate`: each input's generated text (generation.py)
+    instead of the model's outputs."""
     size = length(dataset) if is_stream(dataset) else len(dataset)
     if size is None and output is not None and output.suffix == ".npz":
         raise ConfigError(f"predict: .npz arrays are made at the stream's size, and {job.dataset_name} does not say it "
                           "(no __len__); write .jsonl or .csv")
+    if generate:
+        check_generates(job.model, job.tokenizer, "predict --generate", "--tokenizer (the run folder holds none)")
     components.check_fit(job)  # one line for data that does not fit the model
     accelerator, model, loader = _prepared(cfg, job, dataset, group)
     model.eval()
@@ -189,10 +211,10 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
             for batch, real, bad in real_batches(accelerator, loader, reads_files(dataset)):
                 stop_if_asked(agree)
                 unreadable += bad
-                outputs, _ = (job.forward or forward)(model, batch)
+                values, columns = _batch_values(job, model, batch, cfg.max_new_tokens if generate else None)
                 # every process's real outputs, in process order: the global batch's, in the dataset's order
                 even = not is_stream(dataset) and not accelerator.gradient_state.end_of_dataloader
-                batch_rows = _rows(everyones(accelerator, _per_sample(outputs), real, even), index)
+                batch_rows = _rows(everyones(accelerator, values, real, even), index, columns)
                 if output is not None and index == 0:
                     check_rows(batch_rows, output)  # on every process: none is left waiting for the main one
                 index += len(batch_rows)
@@ -251,6 +273,45 @@ def _stopped_by_signals(output: Path | None):
             signal.signal(s, handler)
 
 
+def _batch_values(job: components.Workload, model, batch, generate: int | None) -> tuple:
+    """(what predict writes of each sample of `batch`, the names of its columns; None: `output`, and `class` for
+    class scores): the text generated after each input (`generate`: the most new tokens; by the module itself,
+    which makes no collective call), a language model's per-sequence loss (its outputs carry token logits and the
+    batch its labels), or else the model's predictions."""
+    if generate:
+        return generated_rows(job.model, job.tokenizer, batch, generate), ("prompt", "text")
+    outputs, targets = (job.forward or forward)(model, batch)
+    if _token_logits(outputs, targets):
+        return _sequence_losses(outputs, targets), ("loss", "perplexity", "tokens")
+    return _per_sample(outputs), None
+
+
+def _token_logits(outputs, targets) -> bool:
+    """Whether the outputs are scores over a vocabulary for each token [B, T, V] of labels [B, T]."""
+    if not (isinstance(targets, torch.Tensor) and targets.dim() == 2 and not targets.is_floating_point()):
+        return False
+    try:
+        scores = predictions(outputs)
+    except ValueError:
+        return False
+    return scores.dim() == 3 and scores.shape[:-1] == targets.shape
+
+
+def _sequence_losses(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """[B, 3]: each sequence's loss (the cross-entropy's mean over its labelled tokens, -100 left out), perplexity
+    (exp of that loss) and labelled tokens. A model whose own loss counts the next token (Hugging Face's causal
+    LMs; also a loss of its own that is no plain cross-entropy) has each position scored against the next label,
+    as it trains; otherwise each position against its own (the built-in cross_entropy's tokens)."""
+    logits = predictions(outputs).detach().float()
+    own = own_loss(outputs)
+    if own is not None and own_items(outputs, targets, own) is not count_tokens:
+        logits, targets = logits[:, :-1], targets[:, 1:]
+    per_token = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    tokens = (targets != IGNORE_INDEX).sum(1)
+    loss = per_token.sum(1) / tokens  # NaN for a sequence with no labelled token
+    return torch.stack([loss, loss.exp(), tokens.float()], 1)
+
+
 def _per_sample(outputs):
     """What is gathered of a batch's outputs: the predictions tensor (class scores, values) when it is a batch
     of one size per sample ([B] or [B, C]), or else one plain object per sample (a detector's dicts, a
@@ -277,7 +338,14 @@ def _plain(obj):
     return obj
 
 
-def _rows(gathered, start: int) -> list[dict]:
+def _rows(gathered, start: int, columns: tuple | None = None) -> list[dict]:
+    if columns is not None:  # named values: a tensor's columns, or each sample's dict
+        values = gathered.cpu().tolist() if isinstance(gathered, torch.Tensor) else gathered
+        rows = [{"index": start + i, **(dict(zip(columns, v)) if isinstance(v, list) else v)} for i, v in enumerate(values)]
+        for row in rows:
+            if "tokens" in row:
+                row["tokens"] = int(row["tokens"])  # a count, gathered in the float tensor of its row
+        return rows
     if isinstance(gathered, torch.Tensor):
         values = gathered.cpu()
         rows = []
@@ -313,12 +381,24 @@ class _progress:
 
 
 def check_rows(rows: list[dict], path: Path) -> None:
-    """Whether the rows fit the output's format: .csv and .npz take numbers (one, or a list of them)."""
+    """Whether the rows fit the output's format: .csv and .npz take numbers (one, or a list of them), .csv texts too."""
     if path.suffix == ".jsonl" or not rows:
         return
-    value = rows[0]["output"]
-    if not (isinstance(value, (int, float)) or isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)):
-        raise ConfigError(f"predict: these outputs are not rows of numbers; write them as .jsonl, not {path.suffix}")
+    for value in rows[0].values():
+        numbers = isinstance(value, (int, float)) or isinstance(value, list) and all(isinstance(v, (int, float))
+                                                                                     for v in value)
+        if not (numbers or path.suffix == ".csv" and isinstance(value, str)):
+            kind = "rows of numbers" + (" or texts" if path.suffix == ".csv" else "")
+            raise ConfigError(f"predict: these outputs are not {kind}; write them as .jsonl, not {path.suffix}")
+
+
+def _columns(row: dict):
+    """A row's CSV columns: a list spreads into name_0, name_1, ... (`output` always does: output_0)."""
+    for name, value in row.items():
+        if isinstance(value, list) or name == "output":
+            yield from ((f"{name}_{i}", v) for i, v in enumerate(value if isinstance(value, list) else [value]))
+        else:
+            yield name, value
 
 
 class Writer:
@@ -346,20 +426,17 @@ class Writer:
         self.done += len(rows)
 
     def _csv(self, rows: list[dict]) -> None:
-        flat = [r["output"] if isinstance(r["output"], list) else [r["output"]] for r in rows]
+        flat = [dict(_columns(r)) for r in rows]
         if self.done == 0:
             self.csv = csv.writer(self.file)
-            self.csv.writerow(["index", *(["class"] if "class" in rows[0] else []),
-                               *(f"output_{i}" for i in range(len(flat[0])))])
-        for r, values in zip(rows, flat):
-            self.csv.writerow([r["index"], *([r["class"]] if "class" in r else []), *values])
+            self.csv.writerow(list(flat[0]))
+        for values in flat:
+            self.csv.writerow(list(values.values()))
 
     def _npz(self, rows: list[dict]) -> None:
         import numpy as np
 
-        columns = {"index": [r["index"] for r in rows], "output": [r["output"] for r in rows]}
-        if "class" in rows[0]:
-            columns["class"] = [r["class"] for r in rows]
+        columns = {name: [r[name] for r in rows] for name in rows[0]}  # one array a column
         if self.done + len(rows) > self.size:
             raise ConfigError(f"predict: the dataset gave more than the {self.size:,} samples its __len__ says")
         for name, values in columns.items():
@@ -405,6 +482,8 @@ class _Command:
     weights: Path
     output: Path | None
     split: str
+    generate: bool = False  # predict --generate
+    tokenizer: str | None = None  # --tokenizer's, else the run folder's own, else config.yaml's
 
 
 def _run_options(argv: list[str], command: str, about: str, output_help: str) -> tuple[TrainConfig, _Command]:
@@ -418,6 +497,9 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str) ->
     parser.add_argument("--output", type=Path, metavar="FILE", help=output_help)
     parser.add_argument("--split", choices=("eval", "train"), default="eval",
                         help="the data's evaluation or training set (default: eval)")
+    if command == "predict":
+        parser.add_argument("--generate", action="store_true", help="write the text the model generates after each "
+                            "input (greedy, --max-new-tokens), with the run's tokenizer or --tokenizer")
     add_training_options(parser, "every option of acc-trainer --help, over the run's own config.yaml (e.g. "
                                  "--dataset, --data-dir, --eval-batch-size)")
     args = parser.parse_args(argv)
@@ -429,10 +511,17 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str) ->
                           "command line cannot build again: give --model and --dataset as functions that build them "
                           f"(module:function), or from Python: acc_trainer.{command}({str(args.run)!r}, model=..., "
                           "data=...)")
-    weights = _verified(args.weights or args.run / "model.safetensors", "--weights")
     if "config" not in args:  # a --config given here replaces the run's, as it always did
         args.config = args.run / "config.yaml"
-    return config_from(args), _Command(args.run, weights, args.output, args.split)
+    cfg = config_from(args)
+    weights = _verified(args.weights or args.run / _weights_name(cfg), "--weights")
+    tokenizer = args.tokenizer if "tokenizer" in args else _saved_tokenizer(args.run) or cfg.tokenizer
+    return cfg, _Command(args.run, weights, args.output, args.split, getattr(args, "generate", False), tokenizer)
+
+
+def _saved_tokenizer(run: Path) -> str | None:
+    """The run folder, when it holds the run's tokenizer (saved with it: pretrained.tokenizer_files)."""
+    return str(run) if (run / "tokenizer_config.json").is_file() or (run / "tokenizer.json").is_file() else None
 
 
 def _workload(cfg: TrainConfig, weights: Path, split: str):
@@ -440,8 +529,9 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
     from accelerate.utils import set_seed
 
     set_seed(cfg.seed)
-    job = components.build_workload(replace(cfg, pretrained=False))  # the run's weights replace them anyway
-    _load_weights(job.model, weights, cfg.model)
+    # The run's weights replace pretrained ones, but for a LoRA run's base.
+    job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)))
+    job.model = _trained(job.model, weights, cfg)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:
         raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")
@@ -481,7 +571,9 @@ def main_predict(argv: list[str]) -> None:
         raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
     group = processes.start(cfg)
     job, dataset = _workload(cfg, weights, split)
-    written, count = _predict(cfg, job, dataset, output, group)
+    if given.generate and given.tokenizer:
+        job.tokenizer = load_tokenizer(given.tokenizer)
+    written, count = _predict(cfg, job, dataset, output, group, given.generate)
     if PartialState().is_main_process:
-        print(f"predictions of {cfg.model} for {count:,} samples of {cfg.dataset} ({split}) in {written}",
+        print(f"{'generated text' if given.generate else 'predictions'} of {cfg.model} for {count:,} samples of {cfg.dataset} ({split}) in {written}",
               file=sys.stdout)

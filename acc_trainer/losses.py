@@ -35,11 +35,25 @@ IGNORE_INDEX = -100  # targets torch's cross-entropy (and Hugging Face models) l
 def forward(model, batch) -> tuple[Any, Any]:
     """The model's outputs for `batch`, and the batch's targets (None for a dict without labels)."""
     if isinstance(batch, Mapping):
-        return model(**batch), batch.get("labels")
+        return model(**batch, **packed_options(model, batch)), batch.get("labels")
     inputs, targets = batch
     if isinstance(inputs, (tuple, list)):
         return model(*inputs), targets
     return model(inputs), targets
+
+
+def packed_options(model, batch: Mapping) -> dict:
+    """`use_cache=False` for a packed batch (position_ids, no attention_mask: packing.py) to a transformers model
+    whose config keeps a cache: the model then builds an empty cache even in training, and with a cache
+    transformers (5.x, masking_utils._preprocess_mask_arguments) ignores where the position ids restart, so the
+    packed documents would attend to each other."""
+    if "position_ids" not in batch or "attention_mask" in batch or "use_cache" in batch:
+        return {}
+    for _ in range(3):  # through DDP's, DeepSpeed's and torch.compile's wrappers to the model's config
+        if getattr(model, "config", None) is not None or not isinstance(getattr(model, "module", None), torch.nn.Module):
+            break
+        model = model.module
+    return {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", False) is True else {}
 
 
 def with_targets(model, batch) -> tuple[Any, Any]:

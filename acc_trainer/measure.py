@@ -139,3 +139,17 @@ def peak_memory_mb(device: torch.device | None = None) -> float:
     if device is not None and device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def cpu_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU computes bf16 in hardware (x86: AVX512-BF16 or AMX-BF16; Arm: the BF16 extension), read
+    from /proc/cpuinfo; None where that cannot be read (another system)."""
+    try:
+        text = open(cpuinfo).read()
+    except OSError:
+        return None
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) if flags else None

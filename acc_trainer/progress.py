@@ -139,7 +139,11 @@ def summary_table(summary: dict, plots: list) -> Table:
         rows.append(("skipped steps", f"{summary['skipped_steps']} (NaN/inf loss)"))
     out = summary["output_dir"]
     rows.append(("run folder", out))
-    rows.append(("weights", f"{out}/model.safetensors"))
+    if summary.get("lora"):
+        rows.append(("weights", f"LoRA adapter {out}/adapter_model.safetensors ({summary['parameters']['trainable']:,} of "
+                                f"{summary['parameters']['total']:,} parameters; PeftModel.from_pretrained(base, run folder))"))
+    else:
+        rows.append(("weights", f"{out}/model.safetensors"))
     if plots:
         rows.append(("plots", f"{out}/plots/ ({', '.join(p.name for p in plots)})"))
     for name, value in rows:

@@ -22,15 +22,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, TorchDynamoPlugin, set_seed
 
+from . import adapters, checkpoints, components, engines, patches, processes
 from . import augment as augmentation
-from . import checkpoints, components, engines, patches, processes
 from .checkpoints import Checkpoints
 from .components import Checked, Workload, first_samples
 from .config import ConfigError, TrainConfig, first_line
 from .data import steps_per_epoch
 from .loaders import build_loaders, dataloader_config, on_device
 from .losses import cross_entropy, model_loss
-from .measure import flops_per_sample
+from .measure import cpu_bf16_instructions, flops_per_sample
 from .metrics import Stateful, is_stateful
 from .models import sync_batchnorm
 from .optim import build_optimizer, build_scheduler, param_groups
@@ -44,7 +44,7 @@ from .watchdog import Idle
 
 @dataclass
 class Tuning:
-    """--init-from's report and --freeze's parameters and norm layers (`_fine_tuning`)."""
+    """--init-from's report and --freeze's parameters and norm layers (`_starting_weights`, `_freeze`)."""
 
     init: dict | None = None
     frozen: list = field(default_factory=list)  # parameters frozen until --unfreeze-at (or for good)
@@ -65,6 +65,8 @@ class Trained:
     input_dtype: torch.dtype | None  # DeepSpeed's weights' dtype for floating inputs
     flops: int  # per training sample
     parameters: dict  # name -> shape, recorded in checkpoints
+    counts: dict  # trainable and total parameters
+    frozen: dict | None  # the frozen parameters' digest, when checkpoints hold only those that train (adapters.py)
 
 
 @dataclass
@@ -194,6 +196,11 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and world > 1 else []
     accelerator = accelerator_for(cfg, group, origin.folder, ddp)
     model, scoring, augment = _pieces(cfg, job, accelerator, group.engine, origin, checked)
+    if cfg.gradient_checkpointing:
+        _gradient_checkpointing(model)
+    model, tuning = _starting_weights(cfg, model, origin.resumed, group.engine)  # --init-from, then --lora
+    if origin.resumed:
+        checkpoints.check_model(origin.resume, origin.resumed, model)
     shapes = checkpoints.parameter_shapes(model)  # as the user built it: what a checkpoint must match
     # Counted on the main process only, so before BatchNorm layers become collective (--sync-bn).
     flops = flops_per_sample(model, first_samples(job.data.train, 1, job.collate, job.data.heads), job.forward) \
@@ -202,14 +209,18 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     # rank 0's weights over a seeding mistake.
     notes = processes.same_initial_weights(accelerator, model) + _notes(checked, model, world, group.engine)
     notes += patches.notes()  # a patch left off on a version it was not tested on
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16" and cpu_bf16_instructions() is False:
+        notes.append("note: this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm's BF16): bf16 is emulated and "
+                     "runs several times slower than --mixed-precision no (docs/language-models.md#precision-on-a-cpu)")
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if cfg.gradient_checkpointing:
-        _gradient_checkpointing(model)
-    tuning = _fine_tuning(cfg, model, origin.resumed)  # --init-from, --freeze (before the groups and prepare)
+    _freeze(cfg, model, tuning)  # before the groups and prepare
     notes += tuning.notes
+    frozen = adapters.frozen_digest(model) if group.engine == "DDP" else None
+    if origin.resumed and origin.resumed.get("frozen"):
+        adapters.check_frozen(origin.resume, origin.resumed["frozen"], model)
     optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed)
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
                                               accelerator.process_index, processes.summing(accelerator), job.dataset_name)
@@ -218,13 +229,20 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
         model, optimizer, train_loader, eval_loader, scheduler,
         device_placement=_placement(accelerator, train_loader, eval_loader))
     ema, averaged = _ema(cfg, accelerator, model)
-    trained = Trained(model, optimizer, scheduler, ema, averaged, tuning, input_dtype, flops, shapes)
+    trained = Trained(model, optimizer, scheduler, ema, averaged, tuning, input_dtype, flops, shapes,
+                      adapters.parameter_counts(model, tuning.frozen if cfg.unfreeze_at else None), frozen)
+    if frozen:  # checkpoints hold what trains (a hook: save_state gathers the weights it writes inside)
+        accelerator.register_save_state_pre_hook(lambda models, weights, _: weights.__setitem__(
+            0, adapters.without_frozen(models[0], weights[0])))
     state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, checked.items))
     if isinstance(train_loader, StreamLoader):
         state.stream = stream_position(0, 0, shape.per_epoch)
     if origin.resumed:
+        partial = bool(origin.resumed.get("frozen"))  # the frozen weights are not in it: built again above
+        if partial:
+            adapters.check_holds_trainable(origin.resume, model)
         with checkpoints.reading(origin.resume):
-            accelerator.load_state(str(origin.resume))
+            accelerator.load_state(str(origin.resume), strict=not partial)
         checkpoints.check_random_states(accelerator, origin.resume, origin.resumed["world_size"])
         state.load(origin.resumed, accelerator.process_index, world)
         notes += checkpoints.elastic_note(origin.resumed["world_size"], world)
@@ -322,8 +340,6 @@ def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: s
     set_seed(cfg.seed)  # dropout and every other random number of the run start from --seed
     model, data = job.model, job.data
     processes.check_same_data(accelerator, data)
-    if origin.resumed:
-        checkpoints.check_model(origin.resume, origin.resumed, model)
     _check_save_best(cfg, checked, data)
     augment = augmentation.from_config(cfg, data)  # None, or each sample's from (seed, epoch, index)
     if job.collate and augment:
@@ -378,19 +394,32 @@ def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = No
     return optimizer, scheduler, Shape(total_steps, per_epoch, epochs, cfg.checkpoint_steps, 0)
 
 
-def _fine_tuning(cfg: TrainConfig, model, resumed) -> Tuning:
-    """--init-from (not when resuming: the checkpoint holds the weights) and --freeze. Parameters frozen for
-    good stop needing gradients (DDP then leaves them out); ones that --unfreeze-at will train keep theirs,
-    and their gradients are dropped before each step until then (so DDP syncs the same parameters all run,
-    and an optimizer with weight decay leaves them untouched). BatchNorm layers whose parameters are all
-    frozen keep their running statistics (evaluation mode while frozen)."""
+def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str) -> tuple:
+    """(the model, its Tuning): --init-from's weights (not when resuming from a checkpoint that holds them all),
+    then --lora's adapters around them (adapters.py)."""
     out = Tuning()
-    if cfg.init_from and not resumed:
+    if cfg.init_from and (not resumed or resumed.get("frozen")):
         report = checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
         out.init = report
         out.notes.append(f"init from {cfg.init_from}: {report['loaded']} tensors loaded" + "".join(
             f", {len(report[k])} {k} ({', '.join(report[k][:3])}{', ...' if len(report[k]) > 3 else ''})"
             for k in ("reset", "missing", "unexpected") if report[k]))
+    if cfg.lora:
+        if engine != "DDP":
+            raise ConfigError(f"--lora: LoRA runs train under DDP (one or several processes); {engine} is not supported")
+        model = adapters.apply_lora(cfg, model)
+        counts = adapters.parameter_counts(model)
+        out.notes.append(f"LoRA rank {cfg.lora} on {cfg.lora_targets and ','.join(cfg.lora_targets) or 'every linear layer'}"
+                         f": {counts['trainable']:,} of {counts['total']:,} parameters train "
+                         f"({100 * counts['trainable'] / counts['total']:.2f}%)")
+    return model, out
+
+
+def _freeze(cfg: TrainConfig, model, out: Tuning) -> None:
+    """--freeze. Parameters frozen for good stop needing gradients (DDP then leaves them out); ones that
+    --unfreeze-at will train keep theirs, and their gradients are dropped before each step until then (so DDP
+    syncs the same parameters all run, and an optimizer with weight decay leaves them untouched). BatchNorm
+    layers whose parameters are all frozen keep their running statistics (evaluation mode while frozen)."""
     if cfg.freeze:
         if cfg.unfreeze_at is not None and engines.requested() == "DEEPSPEED":
             raise ConfigError("--unfreeze-at: DeepSpeed steps its optimizer inside the backward pass, before frozen "
@@ -409,7 +438,6 @@ def _fine_tuning(cfg: TrainConfig, model, resumed) -> Tuning:
                             and any(True for _ in m.parameters()) and all(id(p) in frozen for p in m.parameters())]
         out.notes.append(f"frozen: {len(names)} parameters matching {cfg.freeze!r}"
                          + (f", trained from epoch {cfg.unfreeze_at}" if cfg.unfreeze_at else ""))
-    return out
 
 
 def _ema(cfg: TrainConfig, accelerator: Accelerator, model) -> tuple:
@@ -433,9 +461,16 @@ def _announce(r: Run) -> None:
         + (f"{r.shape.total_steps} steps" if r.shape.total_steps else
            "steps: as many as the stream gives (learnt in its first epoch)")
         + (f", resuming at step {r.state.step} from {r.output.resume}" if r.output.resume else "")
+        + f"; {_counted(r.trained.counts)}"
     )
     for note in r.notes:
         r.output.progress.print(note)
+
+
+def _counted(counts: dict) -> str:
+    if counts["trainable"] == counts["total"]:
+        return f"{counts['total']:,} parameters, all trained"
+    return f"{counts['trainable']:,} of {counts['total']:,} parameters trained"
 
 
 def training_loss(cfg: TrainConfig, checked: Checked, augment=None) -> Callable:

@@ -13,12 +13,13 @@ import torch
 from accelerate import Accelerator
 
 from . import processes
+from .adapters import is_peft, save_merged
 from .checkpoints import WRITE_ERRORS, write_failure, write_sums
 from .config import TrainConfig
 from .evaluation import format_results
 from .measure import device_peak_flops, library_versions, peak_memory_mb
 from .metrics import best_evaluation, ranked_by
-from .pretrained import config_files
+from .pretrained import config_files, tokenizer_files
 from .progress import summary_table
 from .setup import Run
 from .stopping import TrainingStopped
@@ -38,7 +39,8 @@ def finish(r: Run) -> dict:
     # their wrapper to gather the full weights.
     to_save = trained.model if r.engine != "DDP" else accelerator.unwrap_model(trained.model, keep_torch_compile=False)
     try:
-        save_weights(accelerator, trained.ema.module if trained.ema else to_save, output.folder)
+        save_weights(accelerator, trained.ema.module if trained.ema else to_save, output.folder, r.cfg.lora_merge,
+                     r.job.tokenizer)
     except WRITE_ERRORS as e:
         if not accelerator.is_main_process:
             raise
@@ -59,11 +61,14 @@ def finish(r: Run) -> dict:
     output.progress.print(f"[bold]final[/] {format_results(final) if final else 'no evaluation set'}; "
                           f"{summary['samples_per_s'] or 0:,.0f} samples/s; run files in {output.folder}")
     output.progress.print(summary_table(summary, plots))
-    accelerator.end_training()
+    for tracker in accelerator.trackers:  # their last events written, their runs marked finished
+        tracker.finish()
+    # Not `end_training`, which also destroys the process group: a script of the user's goes on with it (a
+    # second fit(), evaluate() on the same processes). The command line destroys it as it leaves (cli.main).
     return summary
 
 
-def save_weights(accelerator: Accelerator, model, folder: Path) -> None:
+def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = False, tokenizer=None) -> None:
     """The final weights (`save_model`: model.safetensors, or its shards and their index), written as
     checkpoints are: into a temporary folder, moved into place once whole, then listed with their digests in
     `folder/SHA256SUMS` (`evaluate`/`predict` verify them). A run stopped while writing leaves no half file."""
@@ -73,9 +78,18 @@ def save_weights(accelerator: Accelerator, model, folder: Path) -> None:
     accelerator.wait_for_everyone()  # before any process makes the folder again (save_model does, on each)
     error = None
     try:
-        accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
-        if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained
-            config_files(accelerator.unwrap_model(model, keep_torch_compile=False), tmp)
+        module = accelerator.unwrap_model(model, keep_torch_compile=False)
+        if is_peft(module):  # the adapter alone, in peft's format (and the merged model, --lora-merge)
+            if accelerator.is_main_process:
+                config_files(module, tmp)
+                if merge:
+                    save_merged(module, tmp / "merged")
+        else:
+            accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
+            if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained
+                config_files(module, tmp)
+        if accelerator.is_main_process:  # the run's tokenizer: AutoTokenizer.from_pretrained(folder) too
+            tokenizer_files(tokenizer, tmp)
     except WRITE_ERRORS as e:
         error = e
     if accelerator.num_processes > 1:  # reached by every process, whether its part failed or not: no one waits alone
@@ -83,11 +97,13 @@ def save_weights(accelerator: Accelerator, model, folder: Path) -> None:
     if error is not None:
         raise error
     if accelerator.is_main_process:
-        names = sorted(p.name for p in tmp.iterdir())
-        for name in names:
-            os.replace(tmp / name, folder / name)
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        for entry in tmp.iterdir():
+            if entry.is_dir():
+                shutil.rmtree(folder / entry.name, ignore_errors=True)
+            os.replace(entry, folder / entry.name)
         tmp.rmdir()
-        write_sums(folder, names)
+        write_sums(folder, files)
 
 
 def run_summary(r: Run, agreement: dict) -> dict:
@@ -129,6 +145,10 @@ def run_summary(r: Run, agreement: dict) -> dict:
         "best": _best(cfg, state.evals),
         "stopped_early": state.stopped_early,
         "init": trained.tuning.init,
+        "parameters": trained.counts,  # trainable (now) and total
+        "lora": {"rank": cfg.lora, "alpha": cfg.lora_alpha or 2 * cfg.lora, "targets": cfg.lora_targets or "all-linear"}
+        if cfg.lora else None,
+        "frozen_weights": trained.frozen,  # what a checkpoint does not hold: their digest, checked on resume
         "param_groups": [{"lr_mult": g.get("lr_mult", 1.0), "weight_decay": g.get("weight_decay"),
                           "parameters": len(g["params"])} for g in trained.optimizer.param_groups],
         **_tables(r),

@@ -86,18 +86,30 @@ def test_init_from_a_torch_state_dict_with_wrapper_prefixes_and_strict(pretraine
 
 
 def test_frozen_parameters_and_their_batchnorm_statistics_stay_bit_identical(pretrained, tmp_path):
+    """--freeze for good: the frozen weights and statistics stay as --init-from gave them; checkpoints hold what
+    trains and the buffers, not the frozen weights, and a run resumed from one (the frozen weights read again
+    from --init-from) ends bit-identical."""
     import acc_trainer
 
+    options = dict(epochs=2, init_from=str(pretrained), freeze=r"^body\.", optimizer="adamw", weight_decay=0.1,
+                   checkpoint_every="epoch")
     acc_trainer.set_seed(0)
     start = load_file(pretrained / "model.safetensors")
-    fit(Net(8), task(8, 256, 5), None, tmp_path / "run", epochs=2, init_from=str(pretrained), freeze=r"^body\.",
-        optimizer="adamw", weight_decay=0.1)
+    fit(Net(8), task(8, 256, 5), None, tmp_path / "run", **options)
     after = load_file(tmp_path / "run" / "model.safetensors")
     for name in after:
         if name.startswith("body."):
             assert torch.equal(after[name], start[name]), name  # weights, BatchNorm's running mean and variance
         else:
             assert not torch.equal(after[name], start[name]), name
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000008"
+    assert sorted(load_file(checkpoint / "model.safetensors")) == [
+        "body.1.num_batches_tracked", "body.1.running_mean", "body.1.running_var", "head.bias", "head.weight"]
+    shutil.copytree(checkpoint, tmp_path / "cut" / "checkpoints" / checkpoint.name)
+    acc_trainer.set_seed(0)
+    fit(Net(8), task(8, 256, 5), None, tmp_path / "cut", resume="auto", **options)
+    resumed = load_file(tmp_path / "cut" / "model.safetensors")
+    assert all(torch.equal(after[k], resumed[k]) for k in after)
 
 
 def test_unfreezing_resumed_from_before_the_unfreeze_is_the_same_run(pretrained, tmp_path):

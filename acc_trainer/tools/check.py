@@ -77,7 +77,7 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate
     # and GNU OpenMP's thread pool does not survive a fork: a forked child that uses it hangs.
     names = fault_names(faults, cfg)  # before the Checker makes its folder
     return Checker(cfg, lambda cfg: from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
-                                                 forward or cfg.forward), steps, output_dir,
+                                                 forward or cfg.forward, cfg.pack), steps, output_dir,
                    threads=1).run(names)
 
 

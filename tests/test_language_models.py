@@ -1,0 +1,117 @@
+"""A language model's runs on two processes against one (tests/lm_probe.py, one launch for all of them): full
+training and LoRA end within rounding of each other, gradient checkpointing changes nothing, evaluation every N
+steps gives perplexity = exp(loss) on the same evaluations, and a two-process run's folder (and its best
+checkpoint) loads with from_pretrained and PeftModel.from_pretrained, giving the trained model's logits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+import lm_probe  # noqa: E402 - after the skips
+from conftest import REPO, check, launch, one_thread, reset_accelerate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(the 2-process runs' folder, the 1-process runs' folder): every job of lm_probe on each."""
+    two, one = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("one")
+    check(launch(two, launcher_args=("--multi_gpu", "--num_processes", "2"),
+                 target=(str(REPO / "tests" / "lm_probe.py"),)))
+    reset_accelerate()
+    with one_thread():
+        lm_probe.run_jobs(one, ["full", "lora", "packed"])
+    reset_accelerate()
+    return two, one
+
+
+def weights(folder):
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").exists() else "model.safetensors"
+    return load_file(folder / name)
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_two_processes_train_what_one_trains_full_lora_and_packed(runs):
+    two, one = runs
+    for job in ("full", "lora", "packed"):
+        first, second = json.loads((two / job / "summary.json").read_text()), json.loads((one / job / "summary.json").read_text())
+        assert (first["world_size"], second["world_size"]) == (2, 1)
+        assert largest_difference(weights(two / job), weights(one / job)) < 1e-5, job
+        # Evaluated at steps 3 and 6 (--eval-every 3) on every sample once, on either topology.
+        for run in (first, second):
+            samples = 16 if job != "packed" else json.loads((one / "packed" / "summary.json").read_text())["eval_samples"]
+            assert [(e["step"], e["samples"]) for e in run["evals"]] == [(3, samples), (6, samples)]
+            assert all(e["perplexity"] == math.exp(e["loss"]) for e in run["evals"])
+        assert first["evals"][-1]["loss"] == pytest.approx(second["evals"][-1]["loss"], abs=1e-5)
+    lora = json.loads((two / "lora" / "summary.json").read_text())["parameters"]
+    assert 0 < lora["trainable"] < lora["total"] / 4
+
+
+def test_gradient_checkpointing_on_two_processes_changes_nothing(runs):
+    """With attention dropout on: the recomputed forward draws the same masks."""
+    two, _ = runs
+    assert [(two / f"{job}.checkpointing").read_text() for job in ("dropout_checkpointed", "dropout")] == ["True", "False"]
+    assert largest_difference(weights(two / "dropout_checkpointed"), weights(two / "dropout")) < 1e-6
+    assert not torch.equal(weights(two / "dropout")["model.layers.0.self_attn.q_proj.weight"],
+                           weights(two / "full")["model.layers.0.self_attn.q_proj.weight"])  # the dropout was on
+
+
+def token_mean_loss(model, documents: list[dict]) -> float:
+    """The next-token cross-entropy over every predicted token of the documents, each run alone."""
+    total, count = 0.0, 0
+    for document in documents:
+        ids = document["input_ids"][None]
+        total += torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:], reduction="sum").item()
+        count += ids.shape[1] - 1
+    return total / count
+
+
+def test_a_two_process_run_loads_where_users_load_models(runs):
+    from peft import PeftModel
+
+    two, _ = runs
+    ids = lm_probe.held_out_ids()
+    run = json.loads((two / "full" / "summary.json").read_text())
+    with torch.no_grad():
+        final = transformers.AutoModelForCausalLM.from_pretrained(two / "full").eval()
+        assert torch.equal(final(input_ids=ids).logits, torch.load(two / "full.logits.pt"))
+        # The best checkpoint holds the weights of the best evaluation: their loss, recomputed here token by token.
+        best = transformers.AutoModelForCausalLM.from_pretrained(two / "full" / "checkpoints" / "best").eval()
+        assert token_mean_loss(best, lm_probe.documents(16, 1)) == pytest.approx(run["best"]["value"], abs=1e-5)
+        assert token_mean_loss(final, lm_probe.documents(16, 1)) == pytest.approx(run["evals"][-1]["loss"], abs=1e-5)
+        adapted = PeftModel.from_pretrained(lm_probe.base_model().eval(), two / "lora")
+        assert torch.equal(adapted(input_ids=ids).logits, torch.load(two / "lora.logits.pt"))
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_says_it_will_be_slow(tmp_path, monkeypatch):
+    import acc_trainer
+    from acc_trainer import measure, setup
+
+    (tmp_path / "avx2").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    (tmp_path / "zen4").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n")
+    (tmp_path / "graviton3").write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
+    found = {name: measure.cpu_bf16_instructions(str(tmp_path / name)) for name in ("avx2", "zen4", "graviton3")}
+    assert found == {"avx2": False, "zen4": True, "graviton3": True}
+    notes = {}
+    for name in ("avx2", "zen4"):
+        monkeypatch.setattr(setup, "cpu_bf16_instructions", lambda name=name: found[name])
+        reset_accelerate()
+        with one_thread():
+            run = acc_trainer.fit(lm_probe.base_model(), lm_probe.documents(8, 0), collate_fn=lm_probe.pad, batch_size=4,
+                                  max_steps=1, mixed_precision="bf16", progress="none", plots=False,
+                                  output_dir=str(tmp_path / f"{name}-run"))
+        notes[name] = [n for n in run["notes"] if "bf16" in n]
+    reset_accelerate()
+    assert len(notes["avx2"]) == 1 and "no bf16 instructions" in notes["avx2"][0] and notes["zen4"] == []
