@@ -38,7 +38,7 @@ BEST = "best"
 NAME = re.compile(r"^step-(\d+)$")
 # Options that may change between an interrupted run and its resumption: they do not change what is
 # computed. Every other option must match the checkpoint's.
-MAY_CHANGE = {"output_dir", "resume", "data_dir", "num_workers", "data_pipeline", "log_with", "progress", "plots",
+MAY_CHANGE = {"output_dir", "resume", "data_dir", "num_workers", "data_pipeline", "log_with", "project", "progress", "plots",
               "dist_timeout", "hang_timeout",
               "eval_batch_size", "checkpoint_every", "keep_last", "lora_merge",
               "tokenizer", "prompts", "max_new_tokens"}

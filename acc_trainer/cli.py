@@ -1,8 +1,12 @@
 """The command line: `acc-trainer [options]` / `python -m acc_trainer [options]` trains;
-`acc-trainer report RUN_DIR ...` compares runs; `acc-trainer bench ...` measures speed.
+`acc-trainer report RUN_DIR ...` compares runs; `acc-trainer bench ...` measures speed (`bench-lm`: on a
+language model, against the Hugging Face Trainer and a plain Accelerate loop).
 
 `acc-trainer check` proves the guarantees on a workload; `acc-trainer check-data` reads every sample;
 `acc-trainer launch ...` is `accelerate launch ...` with the trainer's exit codes (launching.py).
+`acc-trainer export RUN_DIR --format ...` writes a run's model as ONNX, pt2 or safetensors (exporting.py);
+`acc-trainer rerun RUN_DIR` trains a run again from its config.yaml (reruns.py).
+`acc-trainer sweep SPACE.yaml` searches options with Optuna, each trial a run in its own process (tools/sweep.py).
 The flags are built from `TrainConfig` (flags.py); the sub-commands live in the tools sub-package,
 imported only when named. A user mistake prints one line on stderr and exits with code 2.
 """
@@ -16,7 +20,7 @@ import sys
 from .config import ConfigError, did_you_mean, first_line
 from .flags import parse_config
 
-COMMANDS = ("launch", "report", "bench", "bench-lm", "check", "check-data", "evaluate", "predict")
+COMMANDS = ("launch", "report", "bench", "bench-lm", "check", "check-data", "evaluate", "predict", "export", "rerun", "sweep")
 
 
 def check_data(argv: list[str]) -> None:
@@ -50,7 +54,7 @@ def check_data(argv: list[str]) -> None:
         sys.exit(1)
 
 
-SUBCOMMANDS = ("report", "launch", "check-data", "evaluate", "predict", "check", "bench", "bench-lm")
+SUBCOMMANDS = ("report", "launch", "check-data", "evaluate", "predict", "check", "bench", "bench-lm", "export", "sweep")
 
 
 def sub_command(name: str):
@@ -69,6 +73,10 @@ def sub_command(name: str):
         from .inference import main_evaluate, main_predict
 
         return main_evaluate if name == "evaluate" else main_predict
+    if name == "export":
+        from .exporting import main as export
+
+        return export
     if name == "check":
         from .tools.check import main as check
 
@@ -77,6 +85,10 @@ def sub_command(name: str):
         from .tools.bench import main as bench
 
         return bench
+    if name == "sweep":
+        from .tools.sweep import main as sweep
+
+        return sweep
     from .tools.lm_bench import main as bench_lm  # acc_trainer against the Hugging Face Trainer on a language model
 
     return bench_lm
@@ -100,15 +112,25 @@ def main(argv: list[str] | None = None) -> None:
         argv = sys.argv[1:] if argv is None else argv
         if argv[:1] and argv[0] in SUBCOMMANDS:
             return sub_command(argv[0])(argv[1:])
-        if argv and not argv[0].startswith("-"):  # training takes no positional argument: a mistyped command
+        again = None  # `rerun RUN_DIR [options]`: training, from the run's own config.yaml (reruns.py)
+        if argv[:1] == ["rerun"]:
+            from .reruns import rerun_config
+
+            again, cfg = rerun_config(argv[1:])
+        elif argv and not argv[0].startswith("-"):  # training takes no positional argument: a mistyped command
             hint = did_you_mean(argv[0], COMMANDS) or f"; the commands are {', '.join(COMMANDS)}"
             raise ConfigError(f"unknown command {argv[0]!r}{hint}")
-        cfg = parse_config(argv)
+        else:
+            cfg = parse_config(argv)
         from .api import train  # imported here so that --help and input errors answer at once
         from .patches import keep_freed_memory, leave_without_teardown
 
         keep_freed_memory()  # the command's process is the trainer's own (docs/performance.md)
-        train(cfg)
+        summary = train(cfg)
+        if again is not None:
+            from .reruns import report_weights
+
+            report_weights(again, cfg, summary)  # the main process says whether they are the run's, bit for bit
         if several:
             from accelerate import PartialState
 

@@ -64,6 +64,7 @@ class Workload:
     scheduler: Callable | None = None  # factory(optimizer, total_steps) -> scheduler (fit); None: --scheduler
     objects: bool = False  # given as objects (fit): model_name and dataset_name are their classes, not factories
     tokenizer: Any = None  # --tokenizer's (or fit's): saved with the weights, used for --prompts (generation.py)
+    on_evaluation: Callable | None = None  # fit's: called with each evaluation (loop.keep_evaluation)
 
 
 def import_object(path: str, what: str) -> Any:

@@ -217,8 +217,14 @@ class TrainConfig:
     # Output.
     output_dir: str | None = _opt(None, "where the run writes its files (default: runs/<time>-<model>-<dataset>)")
     log_every: int = _opt(10, "log loss, LR and speed every this many optimizer steps")
-    log_with: str | None = _opt(None, f"also log to this Accelerate tracker: {', '.join(TRACKERS)} (default: None, no "
-                                      "tracker)", metavar="TRACKER")
+    log_with: list | None = _opt(
+        None, f"also log to these Accelerate trackers, comma-separated ({', '.join(TRACKERS)}), or all: every one "
+        "installed; each tracker's run is named after the run folder (docs/experiments.md#trackers) (default: None, no "
+        "tracker)", metavar="TRACKERS")
+    project: str | None = _opt(
+        None, "the trackers' project (wandb, trackio; MLflow's experiment; TensorBoard's <output-dir>/logs/<project>) "
+        "(default: the tracker's own environment variable, WANDB_PROJECT or MLFLOW_EXPERIMENT_NAME, else acc_trainer)",
+        metavar="NAME")
     checkpoint_every: str | None = _opt(
         None, "save full training state every N optimizer steps, every 'epoch', or both ('500,epoch')"
     )
@@ -260,7 +266,8 @@ class TrainConfig:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 kind = f.name.replace("_", " ")
-                raise ConfigError(f"unknown {kind} {value!r}; choose from {', '.join(choices)}")
+                raise ConfigError(f"unknown {kind} {value!r}; choose from {', '.join(choices)}"
+                                  + did_you_mean(str(value), choices))
         for name in ("train_size", "eval_size", "epochs", "batch_size", "grad_accum", "log_every", "patience",
                      "lr_step_epochs", "lr_reference_batch", "dist_timeout"):
             if getattr(self, name) <= 0:
@@ -299,7 +306,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value not in builtins and not IMPORT_PATH.match(value):
                 raise ConfigError(f"unknown {name} {value!r}; choose from {', '.join(builtins)}, or give an import path "
-                                  f"pkg.module:factory" + (", torchvision:<name> or timm:<name>" if name == "model" else ""))
+                                  f"pkg.module:factory" + (", torchvision:<name> or timm:<name>" if name == "model" else "")
+                                  + did_you_mean(value, builtins))
         if self.collate is not None and not IMPORT_PATH.match(self.collate):
             raise ConfigError(f"--collate takes an import path pkg.module:function, got {self.collate!r}")
         if self.forward is not None and self.forward not in FORWARDS and not IMPORT_PATH.match(self.forward):
@@ -310,7 +318,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value not in builtins and not IMPORT_PATH.match(value):
                 raise ConfigError(f"unknown {name} {value!r}; choose from {', '.join(builtins)}, or give an import path "
-                                  "pkg.module:attr")
+                                  "pkg.module:attr" + did_you_mean(value, builtins))
         if self.unfreeze_at is not None and (self.freeze is None or self.unfreeze_at < 1):
             raise ConfigError("--unfreeze-at takes an epoch from 1 on, with --freeze")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
@@ -327,7 +335,17 @@ class TrainConfig:
             raise ConfigError(f"--lora-alpha must be positive, got {self.lora_alpha}")
         if self.nesterov and self.optimizer != "sgd":
             raise ConfigError("--nesterov applies to --optimizer sgd only")
+        self._check_trackers()
         return self
+
+    def _check_trackers(self) -> None:
+        """--log-with's names and --project (which trackers are installed is checked at start: trackers.chosen)."""
+        for name in self.log_with or []:
+            if name not in (*TRACKERS, "all"):
+                raise ConfigError(f"unknown tracker {name!r}; Accelerate supports {', '.join(TRACKERS)}, or all (every "
+                                  f"one installed){did_you_mean(name, TRACKERS)}")
+        if self.project is not None and not self.project.strip():
+            raise ConfigError("--project needs a name")
 
     @property
     def checkpoint_steps(self) -> int | None:
@@ -398,7 +416,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def make_config(values: dict[str, Any]) -> TrainConfig:
-    """Build a validated TrainConfig from option values, checking each value's type."""
+    """Build a validated TrainConfig from option values, checking each value's type (and each name)."""
+    unknown = sorted(set(values) - {f.name for f in fields(TrainConfig)})
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r}{did_you_mean(str(unknown[0]), TrainConfig.__dataclass_fields__)}")
     typed = {}
     for f in fields(TrainConfig):
         if f.name not in values:

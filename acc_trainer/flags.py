@@ -49,7 +49,7 @@ THEMES = {
     "Precision and devices": ("mixed_precision", "cpu", "sync_bn", "seed", "dist_timeout", "hang_timeout"),
     "Data": ("augment", "mixup", "cutmix", "label_smoothing", "ema", "data_pipeline", "num_workers", "train_size",
              "eval_size", "image_size", "pack"),
-    "Run files and output": ("output_dir", "log_every", "log_with", "progress", "plots"),
+    "Run files and output": ("output_dir", "log_every", "log_with", "project", "progress", "plots"),
     "Evaluation": ("metrics", "eval_every", "early_stop", "patience", "min_delta", "prompts", "max_new_tokens"),
     "Checkpoints and faults": ("checkpoint_every", "keep_last", "resume", "save_best", "skip_nonfinite",
                                "skip_bad_samples"),
@@ -66,6 +66,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise ConfigError(message)
+
+    def _check_value(self, action, value):  # argparse's check of `choices`, with the nearest choice suggested
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            raise argparse.ArgumentError(action, f"{e.message}{did_you_mean(str(value), map(str, action.choices))}") \
+                from None
 
     def parse_args(self, args=None, namespace=None):
         parsed, extra = self.parse_known_args(args, namespace)

@@ -78,8 +78,9 @@ def write_samples(r) -> None:
     for record in records:
         r.output.progress.print(f"sample at step {step}: {record['prompt']!r} -> {record['text']!r}", markup=False,
                                 emoji=False)
-    if cfg.log_with in TEXT_TRACKERS:
-        accelerator.log({f"samples/{i}": f"{x['prompt']}{x['text']}" for i, x in enumerate(records)}, step=step)
+    for tracker in accelerator.trackers:  # those that take text (--log-with may name several): the others warn at each
+        if tracker.name in TEXT_TRACKERS:
+            tracker.log({f"samples/{i}": f"{x['prompt']}{x['text']}" for i, x in enumerate(records)}, step=step)
 
 
 def continuation(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> str:

@@ -39,6 +39,7 @@ from .evaluation import everyones, format_results, real_batches, stream_faults, 
 from .generation import check_generates, generated_rows
 from .loaders import evaluation_loader, stream_evaluation
 from .losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
+from .pretrained import load_tokenizer
 from .setup import accelerator_for, training_loss
 from .stopping import TrainingStopped
 
@@ -69,19 +70,25 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
 
 
 def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=None,
-            output: str | os.PathLike | None = None, collate_fn=None, forward=None, config: TrainConfig | None = None,
-            **options) -> list[dict] | Path:
+            output: str | os.PathLike | None = None, collate_fn=None, forward=None, generate: bool = False,
+            tokenizer=None, config: TrainConfig | None = None, **options) -> list[dict] | Path:
     """The model's predictions for every sample of `dataset`, in its order, one row per sample with its
-    `index` (and `class`, the highest score, for class scores). Written to `output` (.jsonl, .csv or
-    .npz) as the batches arrive, by the main process, which returns its path; without `output`, the rows
-    (every process gets them all). `predict(RUN_DIR, model=..., data=...)`: a finished run's, as `evaluate`."""
+    `index` (and `class`, the highest score, for class scores; `loss`, `perplexity` and `tokens` for a language
+    model given labels). Written to `output` (.jsonl, .csv or .npz) as the batches arrive, by the main process,
+    which returns its path; without `output`, the rows (every process gets them all). `predict(RUN_DIR, model=...,
+    data=...)`: a finished run's, as `evaluate`. `generate`: each input's `prompt` and the `text` generated after it
+    (greedy, `max_new_tokens`), with `tokenizer` (an object, or what --tokenizer takes; default: the run folder's)."""
     from .api import fit_config
 
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict")
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
                                   cfg.pack)
-    return _predict(cfg, job, job.data.train, Path(output) if output else None)[0]  # a row per block with --pack
+    if generate and tokenizer is None and isinstance(model_or_run, (str, os.PathLike)):
+        tokenizer = _saved_tokenizer(Path(model_or_run))
+    job.tokenizer = load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+    # a row per block with --pack
+    return _predict(cfg, job, job.data.train, Path(output) if output else None, generate=generate)[0]
 
 
 def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str) -> tuple:
@@ -126,11 +133,11 @@ def _weights_name(cfg: TrainConfig) -> str:
     return "adapter_model.safetensors" if cfg.lora else "model.safetensors"
 
 
-def _trained(model, weights: Path, cfg: TrainConfig):
+def _trained(model, weights: Path, cfg: TrainConfig, name: str | None = None):
     """`model`, built as the run built it before training, with the run's `weights`: a LoRA run's adapter goes on
     the base weights the run started from (--init-from read again)."""
     if not cfg.lora:
-        _load_weights(model, weights, type(model).__name__)
+        _load_weights(model, weights, name or type(model).__name__)
         return model
     if cfg.init_from:
         checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
@@ -531,7 +538,7 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
     set_seed(cfg.seed)
     # The run's weights replace pretrained ones, but for a LoRA run's base.
     job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)))
-    job.model = _trained(job.model, weights, cfg)
+    job.model = _trained(job.model, weights, cfg, cfg.model)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:
         raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")
@@ -575,5 +582,6 @@ def main_predict(argv: list[str]) -> None:
         job.tokenizer = load_tokenizer(given.tokenizer)
     written, count = _predict(cfg, job, dataset, output, group, given.generate)
     if PartialState().is_main_process:
-        print(f"{'generated text' if given.generate else 'predictions'} of {cfg.model} for {count:,} samples of {cfg.dataset} ({split}) in {written}",
+        what = "generated text" if given.generate else "predictions"
+        print(f"{what} of {cfg.model} for {count:,} samples of {cfg.dataset} ({split}) in {written}",
               file=sys.stdout)

@@ -371,7 +371,8 @@ def _checkpoint_this_step(r: Run) -> None:
 
 
 def keep_evaluation(r: Run, results: dict) -> None:
-    """Logs an evaluation, keeps it in the state, and checkpoints the best one (--save-best)."""
+    """Logs an evaluation, keeps it in the state, checkpoints the best one (--save-best) and hands it to fit's
+    `on_evaluation`."""
     cfg, state, epoch = r.cfg, r.state, r.epoch
     unreadable = results.pop("unreadable", [])
     if unreadable:  # an evaluation counts every sample: never skipped
@@ -390,6 +391,8 @@ def keep_evaluation(r: Run, results: dict) -> None:
     if cfg.save_best and improves(cfg.save_best, results[cfg.save_best], state.best["value"] if state.best else None):
         state.best = {"step": state.step, "metric": cfg.save_best, "value": results[cfg.save_best]}
         save_checkpoint(r, BEST)
+    if r.job.on_evaluation:  # fit's callback, last: an exception it raises (optuna.TrialPruned) ends the run
+        r.job.on_evaluation(dict(state.evals[-1]))
 
 
 def _early_stop(r: Run, value: float) -> None:

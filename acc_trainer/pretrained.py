@@ -62,6 +62,9 @@ def load_tokenizer(spec: str, what: str = "--tokenizer"):
     elif not path.exists():
         raise ConfigError(f"{what} {spec}: no such folder or file (give a folder saved with save_pretrained, a "
                           "tokenizer.json, or an import path pkg.module:factory)")
+    elif path.is_dir() and not any((path / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
+        raise ConfigError(f"{what} {spec}: the folder holds no tokenizer (no tokenizer_config.json or tokenizer.json, "
+                          "which save_pretrained writes)")
     else:
         try:
             from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -8,6 +8,7 @@ import os
 import re
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import yaml
@@ -18,6 +19,13 @@ from .config import ConfigError, TrainConfig
 from .processes import main_decides
 
 _LOCKS: dict = {}  # run folder -> the open lock file this process holds
+# What fit() was given as objects, set by api.fit for its run: config.yaml's first line names them, since the file
+# cannot build them again (`acc-trainer rerun` says so instead of training something else).
+GIVEN_AS_OBJECTS: ContextVar[tuple[str, ...]] = ContextVar("given_as_objects", default=())
+OBJECTS_NOTE = "# fit() trained this run on objects this file cannot build again: "
+# Where a run wrote and whether it resumed are not what it trains: left out of config.yaml, which then trains the
+# run again into a new folder (`acc-trainer --config RUN_DIR/config.yaml`, `acc-trainer rerun RUN_DIR`).
+NOT_RECORDED = ("output_dir", "resume")
 
 
 def _in_use(folder: Path, handle) -> ConfigError | None:
@@ -97,10 +105,14 @@ class RunFiles:
                 self._metrics = open(path, "a", buffering=1)  # line-buffered: survives a kill
 
     def write_config(self, cfg: TrainConfig) -> None:
-        """The resolved options, in the form `--config` reads back."""
+        """The resolved options, in the form `--config` reads back (less NOT_RECORDED), after a line naming what
+        fit() was given as objects."""
         if self.enabled:
+            objects = GIVEN_AS_OBJECTS.get()
+            note = f"{OBJECTS_NOTE}{', '.join(objects)}\n" if objects else ""
+            options = {**cfg.to_dict(), **dict.fromkeys(NOT_RECORDED)}
             with self.writing(self.folder / "config.yaml"):
-                (self.folder / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                (self.folder / "config.yaml").write_text(note + yaml.safe_dump(options, sort_keys=False))
 
     def log(self, record: dict) -> None:
         if self.enabled:
@@ -167,6 +179,17 @@ class RunFiles:
         return f"the last complete checkpoint is {found[-1]} (continue with --resume auto --output-dir {self.folder})"
 
 
+def given_as_objects(run: Path) -> str | None:
+    """What fit() was given as objects for the run in folder `run` (config.yaml's note, or for a run written before
+    the note, summary.json's model and data); None for a run the options name whole."""
+    with open(run / "config.yaml") as f:
+        first = f.readline()
+    if first.startswith(OBJECTS_NOTE):
+        return first[len(OBJECTS_NOTE):].strip()
+    made = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+    return f"model {made['model']}, data {made['dataset']}" if made.get("built_from") == "objects (fit)" else None
+
+
 def _write_failure(error: OSError, path: Path) -> str:
     from .checkpoints import write_failure
 
@@ -190,6 +213,15 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def _unused(name: str) -> str:
+    """`name`, or `name-2`, `name-3`, ...: runs started within the same second (fit() twice) get folders of their own."""
+    path, count = name, 1
+    while Path(path).exists():
+        count += 1
+        path = f"{name}-{count}"
+    return path
+
+
 def output_dir(cfg: TrainConfig, model_name: str, dataset_name: str) -> Path:
     """The run's folder, the same on every process: --output-dir, the resumed checkpoint's run, or a new
     runs/<time>-<model>-<dataset>; refused when another live run holds it or (not resuming) a run is there."""
@@ -201,7 +233,7 @@ def output_dir(cfg: TrainConfig, model_name: str, dataset_name: str) -> Path:
         raise ConfigError("--resume auto needs the --output-dir of the run to continue")
     else:  # the main process names it, so that every process writes to the same folder
         labels = [re.sub(r"[^\w.-]+", "_", name.rpartition(":")[2]) for name in (model_name, dataset_name)]
-        name = [f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{labels[0]}-{labels[1]}"]
+        name = [_unused(f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{labels[0]}-{labels[1]}")]
         broadcast_object_list(name)
         out = Path(name[0])
     if out.exists() and not out.is_dir():

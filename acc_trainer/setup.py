@@ -4,8 +4,8 @@ failed start leaves nothing behind. `setup` returns the `Run` the loop (loop.py)
 
 Accelerate calls made here: `Accelerator(...)` (`accelerator_for`, which `evaluate`/`predict` use too),
 `prepare` (the model, the optimizer, the loaders and the scheduler: DDP, FSDP or DeepSpeed as the
-accelerate config selects, see engines.py), `load_state` when resuming, `register_for_checkpointing` for
-the EMA weights and `init_trackers`.
+accelerate config selects, see engines.py), `load_state` when resuming and `register_for_checkpointing` for
+the EMA weights (the trackers, built here, start in trackers.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, TorchDynamoPlugin, set_seed
 
-from . import adapters, checkpoints, components, engines, patches, processes
+from . import adapters, checkpoints, components, engines, patches, processes, trackers
 from . import augment as augmentation
 from .checkpoints import Checkpoints
 from .components import Checked, Workload, first_samples
@@ -270,7 +270,7 @@ def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, 
         mixed_precision=cfg.mixed_precision,  # None: the accelerate config's choice, else "no"
         dynamo_plugin=TorchDynamoPlugin(backend="inductor") if cfg.compile and training else None,
         gradient_accumulation_steps=cfg.grad_accum if training else 1,
-        log_with=_tracker(cfg.log_with) if training else None,
+        log_with=trackers.build(cfg, folder) or None if training else None,  # not started yet (trackers.start)
         project_config=ProjectConfiguration(project_dir=str(folder), logging_dir=str(folder / "logs"))
         if training else None,
         dataloader_config=dataloader_config(cfg),
@@ -307,14 +307,15 @@ def _output(cfg: TrainConfig, accelerator: Accelerator, origin: _Origin, state: 
     # --resume auto with no checkpoint yet: an earlier attempt's files (stopped before its first checkpoint) are
     # replaced, from step 0 on.
     again = cfg.resume == "auto"
+    existed = origin.folder.exists()
     processes.main_decides(lambda: lock_run_folder(origin.folder, origin.resume is not None or again))
+    if cfg.log_with:  # before the run's own files: a tracker that fails to start leaves the folder reusable
+        processes.main_decides(lambda: trackers.start(accelerator, cfg, origin.folder, existed))
     files = RunFiles(origin.folder, enabled=accelerator.is_main_process,
                      resumed_step=state.step if origin.resumed or again else None)
     files.write_config(cfg)
     saver = Checkpoints(accelerator, origin.folder / "checkpoints", cfg.keep_last)
     saver.last = origin.resume
-    if cfg.log_with:
-        accelerator.init_trackers("acc_trainer", config=_tracker_config(cfg))
     progress = Progress(cfg.progress, accelerator.is_main_process, shape.total_steps, shape.epochs, shape.per_epoch)
     return Output(origin.folder, origin.resume, files, saver, progress)
 
@@ -482,24 +483,6 @@ def training_loss(cfg: TrainConfig, checked: Checked, augment=None) -> Callable:
         raise ConfigError(f"--label-smoothing, --mixup and --cutmix apply to the cross_entropy loss; this run uses "
                           f"{checked.loss_name}")
     return partial(cross_entropy, label_smoothing=cfg.label_smoothing) if cfg.label_smoothing else checked.loss
-
-
-def _tracker(name: str | None) -> str | None:
-    """Accelerate drops a tracker that is not installed with a warning; a user who asked for it gets an error."""
-    if name is None:
-        return None
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
-
-    if name not in LOGGER_TYPE_TO_CLASS:
-        raise ConfigError(f"unknown tracker {name!r}; Accelerate supports {', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
-    if name not in [str(t) for t in get_available_trackers()]:
-        extra = ' (pip install -e ".[tensorboard]")' if name == "tensorboard" else ""
-        raise ConfigError(f"--log-with {name}: the {name} package is not installed{extra}")
-    return name
-
-
-def _tracker_config(cfg: TrainConfig) -> dict:
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in cfg.to_dict().items()}
 
 
 def _check_save_best(cfg: TrainConfig, checked: Checked, data) -> None:

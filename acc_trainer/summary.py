@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from . import processes
+from . import processes, trackers
 from .adapters import is_peft, save_merged
 from .checkpoints import WRITE_ERRORS, write_failure, write_sums
 from .config import TrainConfig
@@ -61,8 +61,7 @@ def finish(r: Run) -> dict:
     output.progress.print(f"[bold]final[/] {format_results(final) if final else 'no evaluation set'}; "
                           f"{summary['samples_per_s'] or 0:,.0f} samples/s; run files in {output.folder}")
     output.progress.print(summary_table(summary, plots))
-    for tracker in accelerator.trackers:  # their last events written, their runs marked finished
-        tracker.finish()
+    trackers.end(accelerator, output.folder, summary)  # the final summary, the run's files, each tracker finished
     # Not `end_training`, which also destroys the process group: a script of the user's goes on with it (a
     # second fit(), evaluate() on the same processes). The command line destroys it as it leaves (cli.main).
     return summary
@@ -82,8 +81,9 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
         if is_peft(module):  # the adapter alone, in peft's format (and the merged model, --lora-merge)
             if accelerator.is_main_process:
                 config_files(module, tmp)
-                if merge:
+                if merge:  # a model folder of its own: its tokenizer too
                     save_merged(module, tmp / "merged")
+                    tokenizer_files(tokenizer, tmp / "merged")
         else:
             accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
             if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained

@@ -5,7 +5,7 @@ tokenizer is trained on it offline (the `tokenizers` library, about 2 s) and kep
 `transformers.AutoTokenizer.from_pretrained` loads; the model is a `LlamaForCausalLM` built from a
 `LlamaConfig` (random weights). Two runs, from examples/ (docs/language-models.md#the-example):
 
-    acc-trainer --config stdlib_lm.yaml        # full training from random weights, on the library minus test/
+    acc-trainer --config stdlib_lm.yaml        # every weight trained from random ones: the library minus its tests
     acc-trainer --config stdlib_lm_lora.yaml   # LoRA on test/, starting from the first run's weights
 
 Files go to train or eval by a hash of their path (the same split on every machine and process), and are
@@ -32,16 +32,21 @@ VOCAB = 1024
 TOKENIZER = "runs/stdlib-tokenizer"  # relative to the working folder: beside the runs, out of version control
 
 
-def sources(packages: list[str] | None = None, exclude: list[str] = ("test",)) -> list[Path]:
-    """The library's .py files (its site-packages left out), in the order of a hash of their path: those
-    in `packages` (top-level folders; "" for the top-level modules), else all but those in `exclude`."""
-    def package(path: Path) -> str:
-        parts = path.relative_to(STDLIB).parts
-        return parts[0] if len(parts) > 1 else ""
+TESTS = ("test", "tests", "idle_test")  # the folders of the library's own test suites
 
-    files = [p for p in STDLIB.rglob("*.py") if "site-packages" not in p.relative_to(STDLIB).parts]
-    files = [p for p in files if package(p) in packages] if packages is not None else \
-        [p for p in files if package(p) not in exclude]
+
+def sources(packages: list[str] | None = None, exclude: list[str] = TESTS) -> list[Path]:
+    """The library's .py files (its site-packages left out), in the order of a hash of their path: those
+    under the top-level folders `packages` ("" for the top-level modules), else all but those with a folder
+    named in `exclude` anywhere in their path (by default every test suite: test/, ctypes/test/, ...)."""
+    files = []
+    for path in STDLIB.rglob("*.py"):
+        folders = path.relative_to(STDLIB).parts[:-1]
+        if "site-packages" in folders:
+            continue
+        if (packages is not None and (folders[:1] or ("",))[0] in packages) or \
+                (packages is None and not set(folders) & set(exclude)):
+            files.append(path)
     return sorted(files, key=lambda p: (_hash(p), str(p)))
 
 
@@ -60,19 +65,20 @@ def _read(path: Path) -> str:
 
 
 def tokenizer(folder: str = TOKENIZER, vocab_size: int = VOCAB):
-    """The byte-level BPE tokenizer of the training files (test/ left out), trained once and kept in
-    `folder` (retrained when the Python version or the vocabulary asked differs)."""
+    """The byte-level BPE tokenizer of the training files (the test suites left out), trained once and kept in
+    `folder` (trained again when the Python version, the files or the vocabulary asked differ)."""
     from transformers import AutoTokenizer
 
     folder = Path(folder)
-    made_from = {"python": sys.version.split()[0], "vocab_size": vocab_size}
+    files = split(sources())[0]
+    made_from = {"python": sys.version.split()[0], "files": len(files), "vocab_size": vocab_size}
     recorded = folder / "corpus.json"
     if not (recorded.is_file() and json.loads(recorded.read_text()) == made_from):
-        _train_tokenizer(folder, made_from)
+        _train_tokenizer(folder, files, made_from)
     return AutoTokenizer.from_pretrained(folder)
 
 
-def _train_tokenizer(folder: Path, made_from: dict) -> None:
+def _train_tokenizer(folder: Path, files: list[Path], made_from: dict) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,7 +87,7 @@ def _train_tokenizer(folder: Path, made_from: dict) -> None:
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=made_from["vocab_size"], special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator((_read(p) for p in split(sources())[0]), trainer)
+    bpe.train_from_iterator((_read(p) for p in files), trainer)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS)
     # Written next to its place and renamed into it: processes that start together each train one, and
     # whichever renames first wins; none ever reads a half-written folder.
@@ -111,7 +117,7 @@ def _token_ids(files: list[Path], tok, max_length: int) -> list[dict]:
     return pieces
 
 
-def documents(packages: list[str] | None = None, exclude: list[str] = ("test",), max_files: int | None = None,
+def documents(packages: list[str] | None = None, exclude: list[str] = TESTS, max_files: int | None = None,
               max_eval_files: int | None = None, max_length: int = 512, eval_percent: int = 5,
               tokenizer_dir: str = TOKENIZER):
     """`--dataset stdlib_lm:documents`: (train, eval) lists of {"input_ids"}, one per file (a long file in
@@ -121,7 +127,7 @@ def documents(packages: list[str] | None = None, exclude: list[str] = ("test",),
     return _token_ids(train[:max_files], tok, max_length), _token_ids(held_out[:max_eval_files], tok, max_length)
 
 
-def blocks(length: int = 256, packages: list[str] | None = None, exclude: list[str] = ("test",),
+def blocks(length: int = 256, packages: list[str] | None = None, exclude: list[str] = TESTS,
            max_files: int | None = None, max_eval_files: int | None = None, eval_percent: int = 5,
            tokenizer_dir: str = TOKENIZER):
     """`--dataset stdlib_lm:blocks`: the same files joined (EOS between them) and cut into blocks of `length`
@@ -154,6 +160,6 @@ def llama(vocab_size: int = VOCAB, hidden_size: int = 128, layers: int = 4, head
 if __name__ == "__main__":  # python stdlib_lm.py: the corpus, tokenizer and model, in figures
     tok = tokenizer()
     train, held_out = split(sources())
-    print(f"{len(train)} training and {len(held_out)} evaluation files under {STDLIB} (test/ left out); "
+    print(f"{len(train)} training and {len(held_out)} evaluation files under {STDLIB} (test suites left out); "
           f"tokenizer of {len(tok)} tokens in {TOKENIZER}; model of "
           f"{sum(p.numel() for p in llama().parameters()):,} parameters")

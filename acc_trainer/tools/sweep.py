@@ -1,0 +1,581 @@
+"""`acc-trainer sweep SPACE.yaml`: a hyperparameter search with Optuna, each trial a whole run (docs/experiments.md).
+
+SPACE.yaml holds the options every trial shares (`options`, as `--config` takes them, import paths included), the
+options to search (`search`) and how (`metric`, `sampler`, `pruner`, `trials`, `launcher`). Each trial is the
+launcher's command (`acc-trainer`, or `acc-trainer launch ... -m acc_trainer` for several processes) in a process
+of its own, with its options in `<sweep>/trial-N/trial.yaml` and `<sweep>/trial-N` as its run folder. This process
+reads the trial's metrics.jsonl as it grows, reports each evaluation to the study, and stops a trial that the pruner
+prunes with SIGTERM (the trainer checkpoints and exits 143).
+
+The study lives in Optuna's storage: a SQLite file in the sweep folder, or any database URL Optuna takes, which
+several workers (this command, run again on this machine or another) share. Ctrl-C (or SIGTERM) is passed on to the
+running trial, which checkpoints; the same command run again continues the study, first resuming the trials this
+sweep folder left running (`--resume auto` from their checkpoints; a lock file tells them from another live worker's).
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError, TrainConfig, did_you_mean, first_line, make_config
+from ..flags import Parser
+
+# The keys of a space file, with their defaults (None: worked out from the others).
+SPACE_KEYS = {"options": {}, "search": {}, "metric": "loss", "direction": None, "trials": None, "sampler": "tpe",
+              "seed": None, "pruner": "median", "pruner-args": {}, "launcher": "acc-trainer", "study": None,
+              "storage": None, "sweep-dir": None}
+SAMPLERS = ("tpe", "random", "grid")
+PRUNERS = ("median", "successive-halving", "hyperband", "none")
+TRIALS = 20  # without `trials` (a grid: its size)
+POLL_S = 0.2  # how often a running trial's metrics.jsonl is read
+NOT_SWEPT = ("output_dir", "resume")  # the sweep sets them for every trial
+
+
+@dataclass
+class Space:
+    """A space file, read and checked (read_space)."""
+
+    path: Path
+    options: dict  # TrainConfig field -> value, shared by every trial
+    search: dict  # parameter name (an option, or option.key inside a dict option) -> Optuna distribution
+    metric: str  # the evaluation result the study optimises
+    direction: str
+    trials: int  # in the study as a whole, whichever worker runs them
+    sampler: str
+    seed: int | None
+    pruner: str
+    pruner_args: dict
+    launcher: str  # the command line before the trainer's options
+    study: str
+    storage: str
+    folder: Path
+
+
+@dataclass
+class Picked:
+    """The trial a worker runs next: a new one, or one this sweep folder left running (resumed)."""
+
+    trial: Any  # optuna.Trial
+    folder: Path
+    lock: Any  # the open lock file: held while this worker runs the trial
+    resumed: bool
+    reported: dict = field(default_factory=dict)  # step -> value already reported to the study
+    seconds: float = 0.0  # run time before this attempt
+
+
+def main(argv: list[str]) -> None:
+    parser = Parser(prog="acc-trainer sweep", description="Search the options of SPACE.yaml with Optuna: each trial a "
+                    "whole run in its own process and folder, pruned from its evaluations; run it again to continue.")
+    parser.add_argument("space", metavar="SPACE.yaml", help="the search space, the options every trial shares and "
+                        "the study's settings (docs/experiments.md#sweeps)")
+    parser.add_argument("--trials", type=int, metavar="N", help="trials in the study, all workers together "
+                        f"(default: the space file's, else {TRIALS}; a grid: its size)")
+    parser.add_argument("--storage", metavar="URL", help="Optuna's storage: a database URL several workers share "
+                        "(default: the space file's, else sqlite:///<sweep-dir>/study.db)")
+    parser.add_argument("--study", metavar="NAME", help="the study's name (default: the space file's, else its file name)")
+    parser.add_argument("--sweep-dir", metavar="DIR", help="where the trials' run folders go (default: sweeps/<study>)")
+    parser.add_argument("--seed", type=int, metavar="N", help="the sampler's seed (give each worker its own)")
+    parser.add_argument("--launcher", metavar="COMMAND", help="the command before each trial's options (default: "
+                        "acc-trainer; e.g. 'acc-trainer launch --multi_gpu --num_processes 2 -m acc_trainer')")
+    args = parser.parse_args(argv)
+    given = {key: getattr(args, key.replace("-", "_")) for key in ("trials", "storage", "study", "sweep-dir", "seed",
+                                                                    "launcher")}
+    space = read_space(Path(args.space), {k: v for k, v in given.items() if v is not None})
+    from ..progress import make_console
+
+    sys.exit(sweep(space, make_console()))
+
+
+def read_space(path: Path, overrides: dict | None = None) -> Space:
+    """The space file, with the command line's `overrides` (sweep keys) over it; every mistake one ConfigError."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"space file {path} cannot be read ({e.strerror or type(e).__name__})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"space file {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"space file {path} must hold a mapping (options:, search:, metric:, ...)")
+    keys = {}
+    for key, value in data.items():
+        name = str(key).replace("_", "-")
+        if name not in SPACE_KEYS:
+            raise ConfigError(f"space file {path}: unknown key {key!r}{did_you_mean(name, SPACE_KEYS)} (training options "
+                              "go under options:, the searched ones under search:)")
+        keys[name] = value
+    keys = {**SPACE_KEYS, **keys, **(overrides or {})}
+    options = _options(keys["options"], path)
+    search = {str(name): _distribution(str(name), spec, path) for name, spec in (keys["search"] or {}).items()}
+    if not search:
+        raise ConfigError(f"space file {path}: search: names no option to search (e.g. lr: {{float: [1.0e-4, 0.1], "
+                          "log: true}})")
+    check_options(options, search, path)
+    for key, known in (("sampler", SAMPLERS), ("pruner", PRUNERS)):
+        if keys[key] not in known:
+            raise ConfigError(f"space file {path}: {key} {keys[key]!r}: choose from {', '.join(known)}"
+                              + did_you_mean(str(keys[key]), known))
+    if keys["sampler"] == "grid" and not all(hasattr(d, "choices") for d in search.values()):
+        raise ConfigError(f"space file {path}: sampler grid takes lists of values to search (lr: [0.001, 0.01]), not "
+                          "ranges")
+    metric = str(keys["metric"])
+    direction = keys["direction"] or _direction(metric)
+    if direction not in ("minimize", "maximize"):
+        raise ConfigError(f"space file {path}: direction {direction!r}: minimize or maximize")
+    trials = keys["trials"] if keys["trials"] is not None else _grid_size(search) if keys["sampler"] == "grid" else TRIALS
+    if not isinstance(trials, int) or trials < 0:
+        raise ConfigError(f"space file {path}: trials {trials!r}: a number of trials, 0 or more")
+    study = str(keys["study"] or path.stem)
+    folder = Path(keys["sweep-dir"] or Path("sweeps") / study)
+    storage = str(keys["storage"] or f"sqlite:///{folder.resolve() / 'study.db'}")
+    return Space(path, options, search, metric, direction, trials, keys["sampler"], keys["seed"], keys["pruner"],
+                 dict(keys["pruner-args"] or {}), str(keys["launcher"]), study, storage, folder)
+
+
+def _options(given: Any, path: Path) -> dict:
+    if not isinstance(given, dict):
+        raise ConfigError(f"space file {path}: options: must map training options to values (model: mlp, epochs: 3)")
+    known = {f.name for f in fields(TrainConfig)}
+    options = {}
+    for key, value in given.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"space file {path}: unknown option {key!r}"
+                              + did_you_mean(str(key), sorted(k.replace("_", "-") for k in known)))
+        if name in NOT_SWEPT:
+            raise ConfigError(f"space file {path}: options: {key} is the sweep's to set: every trial gets its own folder "
+                              "(<sweep-dir>/trial-N) and a stopped trial resumes from its checkpoint")
+        options[name] = value
+    return options
+
+
+def _distribution(name: str, spec: Any, path: Path):
+    """`{float: [low, high]}` and `{int: [low, high]}` (with `log: true` or `step: x`), or a list of values."""
+    import optuna.distributions as d
+
+    option = name.split(".")[0].replace("-", "_")
+    if option not in {f.name for f in fields(TrainConfig)} or option in NOT_SWEPT:
+        raise ConfigError(f"space file {path}: search: {name!r} is not an option to search"
+                          + did_you_mean(name, sorted(f.name.replace("_", "-") for f in fields(TrainConfig))))
+    if isinstance(spec, dict) and "choice" in spec:
+        spec = spec["choice"]
+    try:
+        if isinstance(spec, list) and spec:
+            return d.CategoricalDistribution(spec)
+        if isinstance(spec, dict) and len({"float", "int"} & set(spec)) == 1 and set(spec) <= {"float", "int", "log", "step"}:
+            kind = "float" if "float" in spec else "int"
+            low, high = spec[kind]
+            make = d.FloatDistribution if kind == "float" else d.IntDistribution
+            return make(low, high, log=bool(spec.get("log", False)), step=spec.get("step", None if kind == "float" else 1))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"space file {path}: search: {name}: {first_line(e)}") from None
+    raise ConfigError(f"space file {path}: search: {name}: give {{float: [low, high]}} or {{int: [low, high]}} (with log: "
+                      f"true or step: N) or a list of values, not {spec!r}")
+
+
+def trial_options(options: dict, params: dict) -> dict:
+    """The shared options with a trial's values over them (`model-args.width` sets `width` in model_args)."""
+    out = dict(options)
+    for name, value in params.items():
+        option, *keys = name.split(".")
+        option = option.replace("-", "_")
+        if not keys:
+            out[option] = value
+            continue
+        inner = out.get(option)
+        inner = dict(yaml.safe_load(inner) or {} if isinstance(inner, str) else inner or {})  # a flag's text form
+        out[option], place = inner, inner
+        for key in keys[:-1]:
+            place[key] = dict(place.get(key) or {})
+            place = place[key]
+        place[keys[-1]] = value
+    return out
+
+
+def check_options(options: dict, search: dict, path: Path) -> None:
+    """Every value the search can take, over the shared options, makes a valid configuration: a mistake is found
+    before any trial starts, not in each trial."""
+    for name, dist in search.items():
+        values = dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)
+        for value in values:
+            try:
+                make_config(trial_options(options, {**{n: _any_value(d) for n, d in search.items()}, name: value}))
+            except ConfigError as e:
+                raise ConfigError(f"space file {path}: {name} {value!r}: {e}") from None
+
+
+def _any_value(dist) -> Any:
+    return dist.choices[0] if hasattr(dist, "choices") else dist.low
+
+
+def _grid_size(search: dict) -> int:
+    size = 1
+    for dist in search.values():
+        size *= len(dist.choices)
+    return size
+
+
+def _direction(metric: str) -> str:
+    from ..metrics import improves  # the one definition of "better" (torch: imported only when needed)
+
+    return "minimize" if improves(metric, 0.0, 1.0) else "maximize"
+
+
+def open_study(space: Space):
+    """The study in its storage, created by the first worker and loaded by the others."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # this command says what happens, trial by trial
+    samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=space.seed),
+                "random": lambda: optuna.samplers.RandomSampler(seed=space.seed),
+                "grid": lambda: optuna.samplers.GridSampler({n: list(d.choices) for n, d in space.search.items()},
+                                                            seed=space.seed)}
+    pruners = {"median": optuna.pruners.MedianPruner, "successive-halving": optuna.pruners.SuccessiveHalvingPruner,
+               "hyperband": optuna.pruners.HyperbandPruner, "none": optuna.pruners.NopPruner}
+    try:
+        pruner = pruners[space.pruner](**space.pruner_args)
+    except TypeError as e:
+        raise ConfigError(f"space file {space.path}: pruner-args: {first_line(e)}") from None
+    space.folder.mkdir(parents=True, exist_ok=True)
+    # SQLite: several workers on one file wait for each other's writes (up to a minute) instead of failing.
+    engine = {"connect_args": {"timeout": 60}} if space.storage.startswith("sqlite") else None
+    try:
+        storage = optuna.storages.RDBStorage(space.storage, engine_kwargs=engine)
+        study = optuna.create_study(storage=storage, study_name=space.study, direction=space.direction,
+                                    sampler=samplers[space.sampler](), pruner=pruner, load_if_exists=True)
+    except ImportError as e:
+        raise ConfigError(f"--storage {space.storage}: {first_line(e)}") from None
+    except Exception as e:  # SQLAlchemy's: a URL it cannot parse, a server it cannot reach
+        if type(e).__module__.split(".")[0] not in ("sqlalchemy", "optuna"):
+            raise
+        raise ConfigError(f"--storage {space.storage}: {type(e).__name__}: {first_line(e)}") from None
+    if study.direction.name.lower() != space.direction:
+        raise ConfigError(f"study {space.study} in {space.storage} was created to {study.direction.name.lower()}, not "
+                          f"to {space.direction}; name another --study")
+    return study
+
+
+def sweep(space: Space, console) -> int:
+    """Runs trials until the study holds `space.trials`; the exit code (128 + the signal when stopped)."""
+    study = open_study(space)
+    console.print(f"study {space.study} ({space.storage}): {space.trials} trials, {space.sampler} sampler, "
+                  f"{space.pruner} pruner, {space.direction} {space.metric}; run folders in {space.folder}", markup=False)
+    with _Stop() as stop:
+        while not stop.received:
+            picked = next_trial(study, space)
+            if picked is None:
+                break
+            try:
+                if not stop.received:  # else it stays running, to be resumed
+                    run_trial(study, space, picked, stop, console)
+            finally:
+                picked.lock.close()
+    show_results(study, space, console)
+    if stop.received:
+        console.print(f"sweep stopped by {signal.Signals(stop.received).name}: run the same command again to continue "
+                      "(a stopped trial resumes from its checkpoint)", markup=False)
+        return 128 + stop.received
+    return 0
+
+
+def next_trial(study, space: Space) -> Picked | None:
+    """A trial this sweep folder left running (no live worker holds its lock), else a new one while the study
+    holds fewer than `space.trials`, else None."""
+    import optuna
+    from optuna.trial import TrialState
+
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        folder = space.folder / f"trial-{frozen.number}"
+        if not (folder / "trial.yaml").is_file():  # another machine's, or one being started
+            continue
+        lock = _lock(folder)
+        if lock is not None:
+            # Optuna's FrozenTrial names its storage id privately; Trial(study, id) takes the running trial over.
+            return Picked(optuna.trial.Trial(study, frozen._trial_id), folder, lock, True, dict(frozen.intermediate_values),
+                          frozen.user_attrs.get("seconds", 0.0))
+    if len(study.get_trials(deepcopy=False, states=_counted())) >= space.trials:
+        return None
+    trial = study.ask(space.search)
+    folder = space.folder / f"trial-{trial.number}"
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        study.tell(trial, state=TrialState.FAIL)
+        raise ConfigError(f"{folder} holds a trial of another study: give each study its own --sweep-dir") from None
+    lock = _lock(folder)
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+    # Written under the lock: a worker that finds it knows the trial is taken while the lock is held.
+    options = {k.replace("_", "-"): v for k, v in trial_options(space.options, trial.params).items()}
+    (folder / "trial.yaml").write_text(f"# trial {trial.number} of study {space.study} ({space.storage})\n"
+                                       + yaml.safe_dump(options, sort_keys=False))
+    return Picked(trial, folder, lock, False)
+
+
+def _counted() -> tuple:
+    """The trials that count towards `trials`: all but those enqueued and not started yet."""
+    from optuna.trial import TrialState
+
+    return TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING
+
+
+def _lock(folder: Path):
+    """The trial's lock, held while a worker runs it (the system drops it when the worker dies), or None."""
+    handle = open(folder / ".sweep-lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    handle.truncate(0)
+    handle.write(f"{socket.gethostname()} {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def run_trial(study, space: Space, picked: Picked, stop: _Stop, console) -> None:
+    """One trial's run, followed to its end: complete (its last evaluation's value), pruned, failed, or left
+    running when the sweep is stopped (the sweep run again resumes it)."""
+    from optuna.trial import TrialState
+
+    trial, folder, reported = picked.trial, picked.folder, picked.reported
+    command = [*launcher_argv(space.launcher), "--config", str(folder / "trial.yaml"), "--output-dir", str(folder),
+               *(["--resume", "auto"] if picked.resumed else [])]
+    console.print(f"trial {trial.number} {'resumed' if picked.resumed else 'started'}: {_shown(trial.params)}",
+                  markup=False)
+    started = time.monotonic()
+    with open(folder / "trial.log", "a") as log:
+        # A session of its own: Ctrl-C in a terminal reaches this process alone, which passes it on (_Stop).
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stop.follow(child)
+        try:
+            pruned, seen = follow(trial, folder / "metrics.jsonl", child, space.metric, reported, stop)
+        finally:
+            stop.follow(None)
+    seconds = picked.seconds + time.monotonic() - started
+    trial.set_user_attr("seconds", round(seconds, 2))
+    step = max(reported) if reported else None
+    said = f"trial {trial.number}: "
+    if pruned is not None:
+        study.tell(trial, state=TrialState.PRUNED)
+        shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # a pruned trial never continues
+        said += f"pruned at step {pruned} ({space.metric} {reported[pruned]:.6g})"
+    elif child.returncode == 0 and step is not None:
+        study.tell(trial, reported[step])
+        said += f"{space.metric} {reported[step]:.6g} at step {step}"
+    elif stop.received:
+        said += "stopped" + (f" after step {step}" if step else "") + "; it resumes when the sweep runs again"
+    else:
+        reason = _failure(child.returncode, folder, space.metric, seen)
+        trial.set_user_attr("failure", reason)
+        study.tell(trial, state=TrialState.FAIL)
+        said += f"failed: {reason} ({folder / 'trial.log'})"
+    console.print(f"{said}, {seconds:.1f} s", markup=False)
+
+
+def follow(trial, metrics: Path, child: subprocess.Popen, metric: str, reported: dict, stop: _Stop) -> tuple:
+    """Reports each new evaluation of `metric` in the trial's metrics.jsonl to the study while the trial runs, and
+    stops it (SIGTERM) when the pruner prunes it. Returns the step it was pruned at (None: it was not) and the names
+    of the evaluations' results."""
+    lines, pruned, seen = _Lines(metrics), None, set()
+    while True:
+        ended = child.poll() is not None  # read after this: all of what a trial that has ended wrote
+        for record in lines.new():
+            results = [key[5:] for key in record if key.startswith("eval_")]
+            seen.update(results)
+            value, step = record.get(f"eval_{metric}"), record.get("step")
+            # A resumed trial logs again what it did after its checkpoint; a pruned one is over for the study.
+            if value is None or step in reported or pruned is not None:
+                continue
+            trial.report(value, step)
+            reported[step] = value
+            if pruned is None and not stop.received and trial.should_prune():
+                pruned = step
+                child.send_signal(signal.SIGTERM)
+        if ended:
+            return pruned, seen
+        time.sleep(POLL_S)
+
+
+class _Lines:
+    """The JSON records a growing file gains between reads; a file written anew (a resumed run rewrites its
+    metrics.jsonl up to its checkpoint) is read again from its start."""
+
+    def __init__(self, path: Path):
+        self.path, self.inode, self.offset, self.rest = path, None, 0, b""
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                status = os.fstat(f.fileno())
+                if status.st_ino != self.inode or status.st_size < self.offset:
+                    self.inode, self.offset, self.rest = status.st_ino, 0, b""
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *whole, self.rest = (self.rest + data).split(b"\n")
+        records = []
+        for line in whole:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
+
+class _Stop:
+    """Ctrl-C or SIGTERM to the sweep: passed on to the running trial, which checkpoints and exits, and no trial
+    starts after it. A second one is passed on too (the trainer then stops at once, as in a terminal)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._child: subprocess.Popen | None = None
+        self._previous = {}
+
+    def __enter__(self) -> _Stop:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = self.received or signum
+        if self._child is not None and self._child.poll() is None:
+            self._child.send_signal(signum)
+
+    def follow(self, child: subprocess.Popen | None) -> None:
+        self._child = child
+        if child is not None and self.received:  # arrived while the trial was starting
+            child.send_signal(self.received)
+
+
+def _failure(code: int, folder: Path, metric: str, seen: set) -> str:
+    if code == 0:
+        return (f"its evaluations have no {metric} (they have {', '.join(sorted(seen))})" if seen else
+                "it made no evaluation (give it an evaluation set)")
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    try:
+        lines = [line for line in (folder / "trial.log").read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    return f"exit {code}" + (f": {lines[-1].strip()}" if lines else "")
+
+
+def launcher_argv(launcher: str) -> list[str]:
+    """The launcher's command line; `acc-trainer` runs as this Python's `-m acc_trainer`, whatever PATH holds."""
+    words = shlex.split(launcher)
+    return [sys.executable, "-m", "acc_trainer", *words[1:]] if words[:1] == ["acc-trainer"] else words
+
+
+def rerun_command(space: Space, number: int) -> str:
+    """The command that runs trial `number` again, as its own run."""
+    config = space.folder / f"trial-{number}" / "trial.yaml"
+    return f"{space.launcher} --config {shlex.quote(str(config))} --output-dir runs/{space.study}-trial-{number}"
+
+
+def _shown(params: dict) -> str:
+    return ", ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+                     for name, value in params.items())
+
+
+def show_results(study, space: Space, console) -> None:
+    """The trials as a table (printed, and <sweep>/trials.csv) and a figure (<sweep>/trials.png), the best trial and
+    the command that runs it again."""
+    from optuna.trial import TrialState
+    from rich.table import Table
+
+    trials = study.get_trials(deepcopy=False)
+    if not trials:
+        return
+    names = list(dict.fromkeys([*space.search, *(name for t in trials for name in t.params)]))
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    best = study.best_trial.number if complete else None
+    rows = [_row(t, names) for t in trials]
+    header = ["trial", "state", space.metric, "step", *names, "seconds"]
+    table = Table(title=f"study {space.study}: {len(trials)} trials, " + ", ".join(
+        f"{sum(t.state == state for t in trials)} {state.name.lower()}" for state in TrialState
+        if any(t.state == state for t in trials)))
+    for column in header:
+        table.add_column(column, justify="left" if column == "state" else "right")
+    for trial, row in zip(trials, rows):
+        table.add_row(*[_cell(v) for v in row], style="bold" if trial.number == best else None)
+    with open(space.folder / "trials.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    plot_trials(trials, best, space, space.folder / "trials.png")
+    console.print(table)
+    if best is not None:
+        console.print(f"best: trial {best}, {space.metric} {study.best_value:.6g} ({_shown(study.best_params)})",
+                      markup=False)
+        console.print(f"run it again: {rerun_command(space, best)}", markup=False)
+    console.print(f"table and figure: {space.folder / 'trials.csv'}, {space.folder / 'trials.png'}", markup=False)
+
+
+def _row(trial, names: list[str]) -> list:
+    steps = sorted(trial.intermediate_values)
+    value = trial.value if trial.value is not None else trial.intermediate_values[steps[-1]] if steps else None
+    return [trial.number, trial.state.name.lower(), value, steps[-1] if steps else None,
+            *[trial.params.get(name) for name in names], trial.user_attrs.get("seconds")]
+
+
+def _cell(value) -> str:
+    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def plot_trials(trials: list, best: int | None, space: Space, path: Path) -> Path:
+    """Left: each trial's metric at each evaluation (pruned ones grey and dashed, ending in x; the best in red).
+    Right: each trial's result by trial number, with the best so far."""
+    from matplotlib.ticker import MaxNLocator
+    from optuna.trial import TrialState
+
+    from ..plots import STYLE, plt, save_figure
+
+    with plt.rc_context(STYLE):
+        fig, (curves, results) = plt.subplots(1, 2, figsize=(12, 4.2))
+        better, best_so_far, numbers = (max if space.direction == "maximize" else min), [], []
+        for trial in trials:
+            steps = sorted(trial.intermediate_values)
+            values = [trial.intermediate_values[s] for s in steps]
+            if not steps:
+                continue
+            if trial.state == TrialState.PRUNED:
+                curves.plot(steps, values, "--", color="0.6", lw=1)
+                curves.plot(steps[-1:], values[-1:], "x", color="0.4")
+                results.plot([trial.number], values[-1:], "x", color="0.4")
+            elif trial.state == TrialState.COMPLETE:
+                top = trial.number == best
+                curves.plot(steps, values, "-", color="tab:red" if top else "tab:blue", lw=2.5 if top else 1,
+                            alpha=1 if top else 0.6, zorder=3 if top else 2, label=f"best: trial {best}" if top else None)
+                results.plot([trial.number], [trial.value], "o", color="tab:red" if top else "tab:blue")
+                best_so_far.append(better([*best_so_far[-1:], trial.value]))
+                numbers.append(trial.number)
+            else:
+                curves.plot(steps, values, ":", color="tab:orange", lw=1)
+        if numbers:
+            results.step(numbers, best_so_far, where="post", color="tab:red", lw=1, label="best so far")
+            results.legend(fontsize=8)
+            curves.legend(fontsize=8)
+        results.xaxis.set_major_locator(MaxNLocator(integer=True))
+        curves.set(title=f"{space.metric} at each evaluation (grey: pruned)", xlabel="optimizer step", ylabel=space.metric)
+        results.set(title=f"{space.metric} of each trial (x: pruned)", xlabel="trial", ylabel=space.metric)
+        return save_figure(fig, path)

@@ -1,0 +1,126 @@
+"""The language-model example (examples/stdlib_lm.py, docs/language-models.md#the-example) in a short form: its two
+YAMLs run as the docs say (from examples/, `acc-trainer --config ...`), with overrides that make them tiny (4 files,
+a 2-layer model of hidden size 64, 12 steps of 8 blocks of 128 tokens), and what they leave is what a user uses."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import REPO, metrics, run_here, summary
+
+EXAMPLES = REPO / "examples"
+SHORT = ["--model-args", "{hidden_size: 64, layers: 2, intermediate_size: 128}", "--max-steps", "12", "--eval-every", "6",
+         "--batch-size", "8", "--pack", "128", "--warmup-steps", "0", "--max-new-tokens", "8", "--no-plots"]
+
+
+def _evaluations(run) -> list[dict]:
+    return [r for r in metrics(run) if "eval_perplexity" in r]
+
+
+def _samples(run, step: int) -> dict[str, str]:
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    return {r["prompt"]: r["text"] for r in rows if r["step"] == step}
+
+
+def _greedy(model, tokenizer, prompt: str) -> str:
+    import torch
+
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The full run, then the LoRA run from its folder (the tokenizer is trained once into examples/runs/)."""
+    folder = tmp_path_factory.mktemp("stdlib_lm")
+    full, lora = folder / "full", folder / "lora"
+    result = run_here("--config", "stdlib_lm.yaml", "--dataset-args", "{max_files: 4, max_eval_files: 1}", *SHORT,
+                      "--output-dir", full, cwd=EXAMPLES)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = run_here("--config", "stdlib_lm_lora.yaml", "--dataset-args", "{packages: [test], max_files: 4, "
+                      "max_eval_files: 1}", *SHORT, "--init-from", full, "--tokenizer", full, "--output-dir", lora,
+                      cwd=EXAMPLES)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return full, lora
+
+
+def test_full_training_lowers_perplexity_and_its_run_folder_loads_in_transformers(runs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    full, _ = runs
+    first, last = _evaluations(full)
+    assert (first["step"], last["step"]) == (6, 12)  # --eval-every 6
+    # Better than chance (a uniform guess over the 1,024 tokens has perplexity 1,024), and better with training;
+    # the perplexity the summary reports is exp of the token-mean evaluation loss.
+    assert last["eval_perplexity"] < first["eval_perplexity"] < 1024
+    assert summary(full)["eval"]["perplexity"] == pytest.approx(math.exp(last["eval_loss"]), rel=1e-9)
+    # The folder loads where users load models, and its greedy continuations are the samples the run wrote
+    # at its last evaluation (the same weights): config, tied weights and tokenizer all came along.
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(full), AutoTokenizer.from_pretrained(full)
+    samples = _samples(full, 12)
+    assert len(samples) == 3 and len(tokenizer) == 1024
+    for prompt, text in samples.items():
+        assert _greedy(model, tokenizer, prompt) == text
+
+
+def test_lora_fine_tune_starts_from_the_first_run_and_its_adapter_loads_with_peft(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    full, lora = runs
+    s = summary(lora)
+    assert s["init"]["from"] == str(full) and s["init"]["loaded"] == 20  # every tensor of the first run's file
+    assert s["lora"]["rank"] == 16 and s["parameters"]["trainable"] < s["parameters"]["total"] / 4
+    # Its evaluation set is test/, which the first run never read: the adapter lowers its perplexity.
+    first, last = _evaluations(lora)
+    assert last["eval_perplexity"] < first["eval_perplexity"]
+    # The first run's model plus the adapter in the LoRA run's folder continue the prompts as the run did.
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(full), lora)
+    tokenizer = AutoTokenizer.from_pretrained(lora)
+    samples = _samples(lora, 12)
+    assert len(samples) == 3
+    for prompt, text in samples.items():
+        assert _greedy(model, tokenizer, prompt) == text
+
+
+def test_bench_lm_measures_the_three_loops_and_prints_their_ratios(tmp_path):
+    """`acc-trainer bench-lm` on the example's workload, made tiny (3 steps of 8 blocks of 64 tokens, the first
+    not timed), one process: a row per loop, and acc_trainer's figure is the one its own run folder logged."""
+    out = tmp_path / "bench"
+    result = run_here("bench-lm", "--config", "stdlib_lm_bench.yaml", "--dataset-args",
+                      "{length: 64, max_files: 3, max_eval_files: 1}", "--model-args",
+                      "{hidden_size: 64, layers: 2, intermediate_size: 128}", "--batch-size", "8", "--log-every", "1",
+                      "--processes", "1", "--steps", "3", "--warmup", "1", "--repeats", "1", "--bench-dir", out,
+                      cwd=EXAMPLES)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = {}
+    for line in result.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[1] == "1":
+            table[cells[0]] = (float(cells[2].replace(",", "")), cells[3])
+    assert set(table) == {"acc_trainer", "Hugging Face Trainer", "plain Accelerate loop"}
+    assert all(speed > 0 for speed, _ in table.values())
+    # acc_trainer's tokens/s: its run's logged step times after the warm-up (steps 2 and 3), 8 blocks of 63
+    # labelled next tokens a step.
+    (run,) = (out / "runs").glob("acc_trainer-1p-*")
+    timed = [r["step_time_s"] for r in metrics(run) if "step_time_s" in r and r["step"] > 1]
+    assert len(timed) == 2 and summary(run)["world_size"] == 1
+    assert table["acc_trainer"][0] == round(2 * 8 * 63 / sum(timed))
+    # Each ratio printed is acc_trainer's printed figure over that loop's (to the rounding of the figures).
+    for loop in ("Hugging Face Trainer", "plain Accelerate loop"):
+        speed, ratio = table[loop]
+        assert float(ratio) == pytest.approx(table["acc_trainer"][0] / speed, abs=2e-3 + 1e-3 * float(ratio))
+
+
+def test_bench_lm_refuses_what_the_three_loops_cannot_do_alike():
+    for args, message in [(["--optimizer", "sgd"], "bench-lm compares the loops with --optimizer adamw"),
+                          (["--steps", "12", "--warmup", "3"], "--warmup and --steps must be multiples of --log-every (5)"),
+                          (["--loops", "trl"], "--loops takes acc_trainer, hf_trainer, accelerate")]:
+        result = run_here("bench-lm", "--config", "stdlib_lm_bench.yaml", *args, cwd=EXAMPLES)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("acc-trainer: error: ") and message in result.stderr
