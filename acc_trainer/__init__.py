@@ -16,6 +16,8 @@ _EXPORTS = {
     "check": ("acc_trainer.tools.check", "check"),
     "evaluate": ("acc_trainer.inference", "evaluate"),  # a trained model on any set, exactly
     "predict": ("acc_trainer.inference", "predict"),  # one row per sample, in the dataset's order
+    "export": ("acc_trainer.exporting", "export"),  # ONNX, pt2 or safetensors, checked on samples
+    "launch_in_notebook": ("acc_trainer.notebook", "launch_in_notebook"),  # several processes from a notebook
     "TrainConfig": ("acc_trainer.config", "TrainConfig"),
     "ConfigError": ("acc_trainer.config", "ConfigError"),
     "TrainingStopped": ("acc_trainer.stopping", "TrainingStopped"),

@@ -66,9 +66,10 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
             factories[name] = components._callable(given, repr(given), f"fit: {name}")
     if isinstance(tokenizer, str):
         options["tokenizer"], tokenizer = tokenizer, None
-    # config.yaml names the loss and metrics given by name or import path, and `config=` gives them back
+    # config.yaml names the loss and metrics given by name or import path, and `config=` gives them back (not a
+    # function of the script itself, __main__, which no other process could import)
     loss_path = loss if isinstance(loss, str) else components.function_name(loss) if callable(loss) else None
-    if loss_path:
+    if loss_path and not loss_path.startswith("__main__:"):
         options.setdefault("loss", loss_path)
     if isinstance(metrics, (list, tuple)):
         options.setdefault("metrics", list(metrics))
@@ -98,7 +99,7 @@ def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[s
     for name, value in given.items():
         if value is None or isinstance(value, str) or recorded.get(name) is not None:
             continue
-        label = ", ".join(value) if isinstance(value, dict) else getattr(value, "__qualname__", type(value).__name__)
+        label = ", ".join(value) if isinstance(value, dict) else getattr(value, "__name__", type(value).__name__)
         unnamed.append(f"{name} {label}")
     return tuple(unnamed)
 

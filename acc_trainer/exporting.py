@@ -53,7 +53,11 @@ def export(model_or_run, /, dataset=None, *, format: str, output: str | os.PathL
     cfg = fit_config(model, dataset, config, options, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
                                   cfg.pack)
-    return export_job(job, job.data.train, format, Path(output), samples, owned=False)
+    training, device = model.training, next(model.parameters(), torch.empty(0)).device
+    try:
+        return export_job(job, job.data.train, format, Path(output), samples, owned=False)
+    finally:
+        model.train(training).to(device)  # the caller's model as it was given
 
 
 def _check_format(format: str) -> None:
@@ -68,6 +72,7 @@ def export_job(job: components.Workload, dataset, format: str, output: Path, sam
     `owned`: the model is this export's to change (a LoRA model merged in place, else in a copy)."""
     if samples < 1:
         raise ConfigError(f"export: samples must be positive, got {samples}")
+    merged = adapters.is_peft(job.model)
     model = _plain(job.model, owned)
     batch = _first_batch(job, dataset, samples)
     args, kwargs = _model_inputs(job, model, batch)
@@ -76,9 +81,10 @@ def export_job(job: components.Workload, dataset, format: str, output: Path, sam
     output.parent.mkdir(parents=True, exist_ok=True)
     files, got, checker = WRITERS[format](model, args, kwargs, output)
     difference, scale = _largest_difference(expected, got)
-    count = len(next(t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))
+    count = next((len(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.dim()), samples)
     return {"format": format, "output": str(output), "files": files, "samples": count, "max_abs_diff": difference,
-            "checked_with": checker, "matches": difference <= TOLERANCE * max(1.0, scale)}
+            "checked_with": checker, "matches": difference <= TOLERANCE * max(1.0, scale), "lora_merged": merged}
 
 
 def _plain(model, owned: bool):
@@ -148,13 +154,17 @@ def _pt2(model, args: tuple, kwargs: dict, output: Path) -> tuple:
         return [str(output)], torch.export.load(output).module()(*args, **kwargs), "torch.export.load"
 
 
-def _onnx(model, args: tuple, kwargs: dict, output: Path) -> tuple:
+def _onnx_installed() -> None:
     try:
-        import onnx  # noqa: F401 - the exporter needs both
+        import onnx  # noqa: F401 - torch's exporter needs both
         import onnxscript  # noqa: F401
     except ImportError:
         raise ConfigError('--format onnx needs onnx and onnxscript: pip install onnx onnxscript onnxruntime (or pip '
                           'install -e ".[onnx]")') from None
+
+
+def _onnx(model, args: tuple, kwargs: dict, output: Path) -> tuple:
+    _onnx_installed()
     program = _exported(model, args, kwargs)
     large = sum(t.numel() * t.element_size() for t in model.state_dict().values()) > _LARGE
     for old in (output, output.with_name(output.name + ".data")):  # an earlier export's weights file would stay
@@ -223,7 +233,8 @@ def _largest_difference(expected, got) -> tuple[float, float]:
 def describe(result: dict) -> str:
     """The line `acc-trainer export` prints."""
     files = " and ".join(result["files"])
-    return (f"{FORMATS[result['format']]}: {files}; on {result['samples']} evaluation samples its outputs differ from "
+    return (f"{FORMATS[result['format']]}{', its LoRA adapters merged' if result['lora_merged'] else ''}: {files}; "
+            f"on {result['samples']} evaluation samples its outputs differ from "
             f"the PyTorch model's by at most {result['max_abs_diff']:.2g} ({result['checked_with']})"
             + ("" if result["matches"] else f": more than {TOLERANCE:g} of their scale, the export does not match"))
 
@@ -244,6 +255,8 @@ def main(argv: list[str]) -> None:
         "where to write it (default: RUN_DIR/export/model.<format>)")
     if known.format is None:
         raise ConfigError(f"acc-trainer export needs --format {'|'.join(FORMATS)}")
+    if known.format == "onnx":
+        _onnx_installed()  # before the model is rebuilt
     output = given.output or given.run / "export" / f"model.{known.format}"
     processes.start(cfg)
     job, dataset = _workload(cfg, given.weights, given.split)

@@ -22,6 +22,8 @@ commands (acc-trainer COMMAND --help describes each):
   acc-trainer check-data [options]                     open every sample once; list those that cannot be read
   acc-trainer evaluate RUN_DIR [--weights F] [--output F.json] [options]   a finished run's weights on any set
   acc-trainer predict RUN_DIR --output F.jsonl|.csv|.npz [options]         one row per sample, in order
+  acc-trainer export RUN_DIR --format onnx|pt2|safetensors [--output F]     the model for other tools, checked
+  acc-trainer rerun RUN_DIR [options]                  train a run again from its config.yaml; same weights?
 
 examples:
   acc-trainer                                          default job: LeNet on generated images, about 7 s on a 2-core CPU

@@ -36,6 +36,9 @@ def rerun_config(argv: list[str]) -> tuple[Path, TrainConfig]:
                           f"run the script that called fit() again: fit(..., config=acc_trainer.parse_config(['--config', "
                           f"'{args.run / 'config.yaml'}'])) takes the run's options")
     args.config = args.run / "config.yaml"
+    for name in NOT_RECORDED:  # as if not in the file: one written before they were left out names the run's folder
+        if name not in args:
+            setattr(args, name, None)
     return args.run, config_from(args)
 
 
@@ -92,7 +95,7 @@ def _what_changed(run: Path, cfg: TrainConfig, summary: dict) -> str:
                if k not in MAY_CHANGE and k not in NOT_RECORDED and before.get(k, v) != v]
     made = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
     if made.get("world_size") not in (None, summary["world_size"]):
-        changes.append(f"{summary['world_size']} processes (was {made['world_size']})")
+        changes.append(f"{summary['world_size']} process{'es' * (summary['world_size'] > 1)} (was {made['world_size']})")
     versions = {k: v for k, v in summary["versions"].items() if made.get("versions", {}).get(k, v) != v}
     changes += [f"{k} {v} (was {made['versions'][k]})" for k, v in versions.items()]
     return ", ".join(changes)

@@ -63,7 +63,7 @@ def build(cfg: TrainConfig, folder: Path) -> list:
         if name == "tensorboard":  # <run>/logs/<project>: the run's one TensorBoard run
             tracker = cls(re.sub(r"[^\w.-]+", "_", project), folder / "logs")
         elif name == "wandb":  # files in <run>/wandb/
-            mine = {"name": folder.name, "dir": str(folder)}
+            mine = {"name": folder.name, "dir": str(folder.resolve())}
             tracker = cls(project, **{k: v for k, v in mine.items() if not os.environ.get(WANDB_VARIABLES[k])})
         elif name == "mlflow":
             tracker = cls(run_name=folder.name)
@@ -157,7 +157,10 @@ def _remove_new(folder: Path, before: set, existed: bool) -> None:
     for path in sorted(new):
         if path.parent in new or not os.path.lexists(path):
             continue  # inside a new folder, removed with it
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink()
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
 
 
 def final_results(summary: dict) -> dict:
@@ -200,10 +203,15 @@ def end(accelerator, folder: Path, summary: dict) -> None:
                 tracker.log(results, step=summary["steps"])
                 _artifacts(tracker, folder, files, results)
             except Exception as e:  # noqa: BLE001 - the tracker's own error, reported in one line
-                print(f"acc-trainer: warning: {tracker.name}: the final summary or the run's files were not logged: "
-                      f"{first_line(e)}", file=sys.stderr)
-        for tracker in accelerator.trackers:  # their last events written, their runs marked finished
-            tracker.finish()
+                _warn(tracker, "the final summary or the run's files were not logged", e)
+            try:
+                tracker.finish()  # its last events written, its run marked finished
+            except Exception as e:  # noqa: BLE001
+                _warn(tracker, "its run did not finish", e)
+
+
+def _warn(tracker, what: str, error: Exception) -> None:
+    print(f"acc-trainer: warning: {tracker.name}: {what}: {first_line(error)}", file=sys.stderr)
 
 
 def _artifacts(tracker, folder: Path, files: list[Path], results: dict) -> None:
@@ -217,7 +225,7 @@ def _artifacts(tracker, folder: Path, files: list[Path], results: dict) -> None:
 
         artifact = wandb.Artifact(re.sub(r"[^\w.-]+", "_", folder.name), type="model", metadata=results)
         for f in files:  # immutable: the run's files are final, and wandb refers to them instead of copying them
-            artifact.add_file(str(f), name=f.relative_to(folder).as_posix(), policy="immutable")
+            artifact.add_file(str(f.resolve()), name=f.relative_to(folder).as_posix(), policy="immutable")
         tracker.run.log_artifact(artifact)
     elif tracker.name == "tensorboard":
         from torch.utils.tensorboard.summary import hparams

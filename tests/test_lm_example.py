@@ -101,20 +101,22 @@ def test_bench_lm_measures_the_three_loops_and_prints_their_ratios(tmp_path):
     table = {}
     for line in result.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[1] == "1":
-            table[cells[0]] = (float(cells[2].replace(",", "")), cells[3])
+        if len(cells) == 6 and cells[1] == "1":
+            table[cells[0]] = (float(cells[2].replace(",", "")), cells[3], cells[4])
     assert set(table) == {"acc_trainer", "Hugging Face Trainer", "plain Accelerate loop"}
-    assert all(speed > 0 for speed, _ in table.values())
+    assert all(speed > 0 for speed, _, _ in table.values())
     # acc_trainer's tokens/s: its run's logged step times after the warm-up (steps 2 and 3), 8 blocks of 63
     # labelled next tokens a step.
     (run,) = (out / "runs").glob("acc_trainer-1p-*")
     timed = [r["step_time_s"] for r in metrics(run) if "step_time_s" in r and r["step"] > 1]
     assert len(timed) == 2 and summary(run)["world_size"] == 1
     assert table["acc_trainer"][0] == round(2 * 8 * 63 / sum(timed))
-    # Each ratio printed is acc_trainer's printed figure over that loop's (to the rounding of the figures).
+    # Each ratio printed is acc_trainer's printed figure over that loop's (to the rounding of the figures), and
+    # so is the one repeat's ratio, with itself as the median.
     for loop in ("Hugging Face Trainer", "plain Accelerate loop"):
-        speed, ratio = table[loop]
+        speed, ratio, each = table[loop]
         assert float(ratio) == pytest.approx(table["acc_trainer"][0] / speed, abs=2e-3 + 1e-3 * float(ratio))
+        assert each == f"{ratio} ({ratio})"
 
 
 def test_bench_lm_refuses_what_the_three_loops_cannot_do_alike():

@@ -6,7 +6,9 @@ A tracker that fails to start stops the run in one line and leaves the folder as
 import hashlib
 import json
 import random
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,36 +23,43 @@ JOB = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-si
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """In one folder: a start whose MLflow store cannot be reached (into a folder the user made, holding a file of
-    theirs), then the same command that succeeds into it (`all`: tensorboard, wandb, mlflow, trackio; projects from
-    WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME), and a second run of the same seed with --project."""
+    """In one folder: a start with TensorBoard and an MLflow store that cannot be reached (into a folder the user
+    made, holding a file of theirs), then a run that succeeds into it (`all`: tensorboard, wandb, mlflow, trackio;
+    projects from WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME), and a second run of the same seed with --project."""
     from accelerate.tracking import MLflowTracker
 
     folder = tmp_path_factory.mktemp("trackers")
+    # MLflow's SQLite store is created by 68 migrations, each committed (an fsync): 6 s on this disk, 3.5 s in memory.
+    store = Path(tempfile.mkdtemp(dir="/dev/shm")) if Path("/dev/shm").is_dir() else folder
     draws, mlflow_start = [], MLflowTracker.start
 
     def start(self):  # what MLflow would draw for a run's name, from the generators it is handed
         draws.append((random.random(), float(np.random.random())))
         mlflow_start(self)
 
-    with pytest.MonkeyPatch.context() as env:
-        env.setattr(MLflowTracker, "start", start)
-        for name, value in {"WANDB_MODE": "offline", "WANDB_CONSOLE": "off", "WANDB_PROJECT": "w-env",
-                            "WANDB_CONFIG_DIR": "wandb-config", "WANDB_CACHE_DIR": "wandb-cache",
-                            "WANDB_DATA_DIR": "wandb-data", "MLFLOW_EXPERIMENT_NAME": "m-env",
-                            "TRACKIO_DIR": "trackio"}.items():
-            env.setenv(name, str(folder / value) if value.startswith(("wandb-", "trackio")) else value)
-        env.setenv("MLFLOW_TRACKING_URI", "nowhere://store")
-        (folder / "run").mkdir()
-        (folder / "run" / "notes.txt").write_text("the user's own file\n")
-        failed = run_here(*JOB, "--log-with", "all", "--output-dir", "run", cwd=folder)
-        left = sorted(p.relative_to(folder / "run").as_posix() for p in (folder / "run").rglob("*"))
-        env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{folder / 'mlflow.db'}")
-        tracked = run_here(*JOB, "--log-with", "all", "--output-dir", "run", cwd=folder)
-        again = run_here(*JOB, "--log-with", "tensorboard,mlflow", "--project", "sweep 1", "--output-dir", "run2",
-                         "--no-plots", cwd=folder)
-    assert tracked.returncode == 0 and again.returncode == 0, tracked.stderr[-3000:] + again.stderr[-3000:]
-    yield SimpleNamespace(folder=folder, run=folder / "run", failed=failed, left=left, draws=draws[-2:])
+    homes = {"WANDB_CONFIG_DIR": "wandb-config", "WANDB_CACHE_DIR": "wandb-cache", "WANDB_DATA_DIR": "wandb-data",
+             "TRACKIO_DIR": "trackio"}  # nothing written outside the test's folders
+    variables = {"WANDB_MODE": "offline", "WANDB_CONSOLE": "off", "WANDB_PROJECT": "w-env",
+                 "MLFLOW_EXPERIMENT_NAME": "m-env", **{k: str(folder / v) for k, v in homes.items()}}
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setattr(MLflowTracker, "start", start)
+            for name, value in variables.items():
+                env.setenv(name, value)
+            env.setenv("MLFLOW_TRACKING_URI", "nowhere://store")
+            (folder / "run").mkdir()
+            (folder / "run" / "notes.txt").write_text("the user's own file\n")
+            failed = run_here(*JOB, "--log-with", "tensorboard,mlflow", "--output-dir", "run", cwd=folder)
+            left = sorted(p.relative_to(folder / "run").as_posix() for p in (folder / "run").rglob("*"))
+            env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store / 'mlflow.db'}")
+            tracked = run_here(*JOB, "--log-with", "all", "--output-dir", "run", cwd=folder)
+            again = run_here(*JOB, "--log-with", "tensorboard,mlflow", "--project", "sweep 1", "--output-dir", "run2",
+                             "--no-plots", cwd=folder)
+        assert tracked.returncode == 0 and again.returncode == 0, tracked.stderr[-3000:] + again.stderr[-3000:]
+        yield SimpleNamespace(folder=folder, run=folder / "run", failed=failed, left=left, draws=draws[-2:], store=store)
+    finally:
+        if store != folder:
+            shutil.rmtree(store, ignore_errors=True)
 
 
 def test_a_tracker_that_fails_to_start_stops_the_run_in_one_line_and_leaves_the_folder_reusable(runs):
@@ -58,7 +67,7 @@ def test_a_tracker_that_fails_to_start_stops_the_run_in_one_line_and_leaves_the_
     line, = runs.failed.stderr.strip().splitlines()[-1:]
     assert line.startswith("acc-trainer: error: --log-with mlflow: the tracker did not start: ")
     assert "Traceback" not in runs.failed.stderr
-    # TensorBoard and wandb had started: their files went with them; the user's file and the run's lock stayed.
+    # TensorBoard had started: its files went with it; the user's file and the run's lock stayed.
     assert runs.left == [".lock", "notes.txt"]
     assert (runs.run / "notes.txt").read_text() == "the user's own file\n"  # and the next start ran into the folder
     assert summary(runs.run)["steps"] == 8
@@ -98,7 +107,7 @@ def test_tensorboard_holds_one_run_whose_hparams_show_the_results_beside_the_opt
 def test_mlflow_keeps_each_run_by_its_folder_name_with_the_final_summary_and_the_run_files(runs):
     import mlflow
 
-    client = mlflow.MlflowClient(f"sqlite:///{runs.folder / 'mlflow.db'}")
+    client = mlflow.MlflowClient(f"sqlite:///{runs.store / 'mlflow.db'}")
     # MLFLOW_EXPERIMENT_NAME names the experiment; --project wins over it.
     (run,) = client.search_runs([client.get_experiment_by_name("m-env").experiment_id])
     (second,) = client.search_runs([client.get_experiment_by_name("sweep 1").experiment_id])

@@ -232,18 +232,22 @@ def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
 
 
 def summarise(runs: dict[str, list[dict]], tokens: int) -> list[dict]:
-    """One row per (loop, processes): median tokens/s, and acc_trainer's ratios to the others' medians."""
+    """One row per (loop, processes): median tokens/s; on the other loops' rows, acc_trainer's median over theirs
+    (`ratio`) and, repeat by repeat, acc_trainer's run over theirs (`ratios`: the runs of one repeat follow each
+    other, so a busy minute on a shared machine touches both alike) with their median."""
     rows = []
     for name, measured in runs.items():
         loop, n = name.split("@")
         speeds = [m["samples_per_s"] * tokens for m in measured]
         rows.append({"loop": loop, "processes": int(n), "tokens_per_s": statistics.median(speeds),
-                     "tokens_per_s_all": speeds, "repeats": len(speeds)})
-    by = {(r["loop"], r["processes"]): r for r in rows}
+                     "tokens_per_s_all": speeds, "repeats": len(speeds), "ratio": None, "ratios": None})
+    ours = {r["processes"]: r for r in rows if r["loop"] == "acc_trainer"}
     for r in rows:
-        for other, key in (("hf_trainer", "vs_hf_trainer"), ("accelerate", "vs_accelerate")):
-            against = by.get((other, r["processes"]))
-            r[key] = r["tokens_per_s"] / against["tokens_per_s"] if r["loop"] == "acc_trainer" and against else None
+        mine = ours.get(r["processes"])
+        if r["loop"] != "acc_trainer" and mine:
+            r["ratio"] = mine["tokens_per_s"] / r["tokens_per_s"]
+            r["ratios"] = [a / b for a, b in zip(mine["tokens_per_s_all"], r["tokens_per_s_all"])]
+            r["ratios_median"] = statistics.median(r["ratios"])
     return rows
 
 
@@ -251,16 +255,17 @@ def markdown(rows: list[dict], cfg: TrainConfig, args, tokens: int, machine: str
     lines = [f"# bench-lm: {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size} x {tokens + 1} tokens, "
              f"{args.steps} steps ({args.warmup} of warm-up not timed), precision {cfg.mixed_precision or 'no'}",
              "", f"Machine: {machine}. Median of {args.repeats} runs per loop, in rotating order.", "",
-             "| loop | processes | tokens/s | acc_trainer vs it | runs (tokens/s) |", "| --- | ---: | ---: | ---: | --- |"]
+             "| loop | processes | tokens/s | acc_trainer vs it | each repeat (median) | runs (tokens/s) |",
+             "| --- | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
-        ours = [r2 for r2 in rows if r2["loop"] == "acc_trainer" and r2["processes"] == r["processes"]]
-        ratio = "-"
-        if r["loop"] != "acc_trainer" and ours:
-            ratio = f"{ours[0]['tokens_per_s'] / r['tokens_per_s']:.3f}"
-        lines.append(f"| {TITLES[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | {ratio} | "
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        each = "-" if r["ratios"] is None else \
+            f"{', '.join(f'{x:.3f}' for x in r['ratios'])} ({r['ratios_median']:.3f})"
+        lines.append(f"| {TITLES[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | {ratio} | {each} | "
                      f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} |")
     lines += ["", "tokens/s: labelled next tokens per second over the timed steps (global, every process together). "
-              "acc_trainer vs it: acc_trainer's median over this loop's, on as many processes.", ""]
+              "acc_trainer vs it: acc_trainer's median over this loop's, on as many processes; each repeat: "
+              "acc_trainer's run over this loop's run of the same repeat.", ""]
     return "\n".join(lines)
 
 

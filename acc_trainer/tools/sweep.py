@@ -93,6 +93,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--launcher", metavar="COMMAND", help="the command before each trial's options (default: "
                         "acc-trainer; e.g. 'acc-trainer launch --multi_gpu --num_processes 2 -m acc_trainer')")
     args = parser.parse_args(argv)
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise ConfigError("acc-trainer sweep needs Optuna: pip install optuna (or this package's optuna extra)") from None
     given = {key: getattr(args, key.replace("-", "_")) for key in ("trials", "storage", "study", "sweep-dir", "seed",
                                                                     "launcher")}
     space = read_space(Path(args.space), {k: v for k, v in given.items() if v is not None})
@@ -176,9 +180,9 @@ def _distribution(name: str, spec: Any, path: Path):
     try:
         if isinstance(spec, list) and spec:
             return d.CategoricalDistribution(spec)
-        if isinstance(spec, dict) and len({"float", "int"} & set(spec)) == 1 and set(spec) <= {"float", "int", "log", "step"}:
-            kind = "float" if "float" in spec else "int"
-            low, high = spec[kind]
+        kind = next((k for k in ("float", "int") if k in spec), None) if isinstance(spec, dict) else None
+        if kind and set(spec) <= {kind, "log", "step"} and isinstance(spec[kind], list) and len(spec[kind]) == 2:
+            low, high = (float(v) if kind == "float" else v for v in spec[kind])  # YAML reads 1e-5 as a text
             make = d.FloatDistribution if kind == "float" else d.IntDistribution
             return make(low, high, log=bool(spec.get("log", False)), step=spec.get("step", None if kind == "float" else 1))
     except (ValueError, TypeError) as e:
@@ -240,10 +244,10 @@ def open_study(space: Space):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # this command says what happens, trial by trial
-    samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=space.seed),
-                "random": lambda: optuna.samplers.RandomSampler(seed=space.seed),
-                "grid": lambda: optuna.samplers.GridSampler({n: list(d.choices) for n, d in space.search.items()},
-                                                            seed=space.seed)}
+    samplers = {"tpe": lambda seed: optuna.samplers.TPESampler(seed=seed),
+                "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
+                "grid": lambda seed: optuna.samplers.GridSampler({n: list(d.choices) for n, d in space.search.items()},
+                                                                 seed=seed)}
     pruners = {"median": optuna.pruners.MedianPruner, "successive-halving": optuna.pruners.SuccessiveHalvingPruner,
                "hyperband": optuna.pruners.HyperbandPruner, "none": optuna.pruners.NopPruner}
     try:
@@ -256,7 +260,11 @@ def open_study(space: Space):
     try:
         storage = optuna.storages.RDBStorage(space.storage, engine_kwargs=engine)
         study = optuna.create_study(storage=storage, study_name=space.study, direction=space.direction,
-                                    sampler=samplers[space.sampler](), pruner=pruner, load_if_exists=True)
+                                    pruner=pruner, load_if_exists=True)
+        # A seeded sampler draws the same values in every process: one restarted on a study that has trials would
+        # draw the first ones again, so the seed moves on with the study.
+        seed = None if space.seed is None else space.seed + len(study.get_trials(deepcopy=False))
+        study.sampler = samplers[space.sampler](seed)
     except ImportError as e:
         raise ConfigError(f"--storage {space.storage}: {first_line(e)}") from None
     except Exception as e:  # SQLAlchemy's: a URL it cannot parse, a server it cannot reach
@@ -314,7 +322,7 @@ def next_trial(study, space: Space) -> Picked | None:
     try:
         folder.mkdir()
     except FileExistsError:
-        study.tell(trial, state=TrialState.FAIL)
+        tell(study, trial, state=TrialState.FAIL)
         raise ConfigError(f"{folder} holds a trial of another study: give each study its own --sweep-dir") from None
     lock = _lock(folder)
     trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
@@ -329,7 +337,7 @@ def _counted() -> tuple:
     """The trials that count towards `trials`: all but those enqueued and not started yet."""
     from optuna.trial import TrialState
 
-    return TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING
+    return tuple(state for state in TrialState if state != TrialState.WAITING)
 
 
 def _lock(folder: Path):
@@ -359,7 +367,8 @@ def run_trial(study, space: Space, picked: Picked, stop: _Stop, console) -> None
     started = time.monotonic()
     with open(folder / "trial.log", "a") as log:
         # A session of its own: Ctrl-C in a terminal reaches this process alone, which passes it on (_Stop).
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                 preexec_fn=_stopped_with_the_sweep)
         stop.follow(child)
         try:
             pruned, seen = follow(trial, folder / "metrics.jsonl", child, space.metric, reported, stop)
@@ -370,20 +379,42 @@ def run_trial(study, space: Space, picked: Picked, stop: _Stop, console) -> None
     step = max(reported) if reported else None
     said = f"trial {trial.number}: "
     if pruned is not None:
-        study.tell(trial, state=TrialState.PRUNED)
+        tell(study, trial, state=TrialState.PRUNED)
         shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # a pruned trial never continues
         said += f"pruned at step {pruned} ({space.metric} {reported[pruned]:.6g})"
     elif child.returncode == 0 and step is not None:
-        study.tell(trial, reported[step])
+        tell(study, trial, reported[step])
         said += f"{space.metric} {reported[step]:.6g} at step {step}"
     elif stop.received:
         said += "stopped" + (f" after step {step}" if step else "") + "; it resumes when the sweep runs again"
     else:
         reason = _failure(child.returncode, folder, space.metric, seen)
         trial.set_user_attr("failure", reason)
-        study.tell(trial, state=TrialState.FAIL)
+        tell(study, trial, state=TrialState.FAIL)
         said += f"failed: {reason} ({folder / 'trial.log'})"
     console.print(f"{said}, {seconds:.1f} s", markup=False)
+
+
+def _stopped_with_the_sweep() -> None:
+    """In the trial's process before it starts: SIGTERM when the sweep's process dies (Linux's PR_SET_PDEATHSIG), so
+    that a sweep killed outright leaves no trial running unwatched: the trial checkpoints and stops, and the sweep
+    run again resumes it (elsewhere the trial runs on to its end)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: not Linux
+        pass
+
+
+def tell(study, trial, value: float | None = None, state=None) -> None:
+    """study.tell. Optuna's GridSampler stops the study once its last grid point is told, and Study.stop raises outside
+    study.optimize (Optuna 5.0): the trial is stored all the same (study/_tell.py stores it in a `finally`)."""
+    try:
+        study.tell(trial, value, state=state)
+    except RuntimeError as e:
+        if "Study.stop" not in str(e):
+            raise
 
 
 def follow(trial, metrics: Path, child: subprocess.Popen, metric: str, reported: dict, stop: _Stop) -> tuple:
@@ -402,9 +433,10 @@ def follow(trial, metrics: Path, child: subprocess.Popen, metric: str, reported:
                 continue
             trial.report(value, step)
             reported[step] = value
-            if pruned is None and not stop.received and trial.should_prune():
+            if trial.should_prune():  # asked even while stopping: a pruner keeps its own records (rungs) as it answers
                 pruned = step
-                child.send_signal(signal.SIGTERM)
+                if not stop.received:  # else it is stopping already, and a second signal would skip its checkpoint
+                    child.send_signal(signal.SIGTERM)
         if ended:
             return pruned, seen
         time.sleep(POLL_S)
