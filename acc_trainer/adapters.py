@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -101,9 +102,10 @@ def frozen_digest(model) -> dict | None:
 
 
 def without_frozen(model, state: dict) -> dict:
-    """`state` (the model's state dict) less the frozen parameters (tied names included): what a checkpoint keeps."""
+    """`state` (the model's state dict) less the frozen parameters (tied names included): what a checkpoint keeps.
+    An OrderedDict, as a state dict is: Accelerate then writes a tensor shared by two names (tied weights) once."""
     frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
-    return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.data_ptr() in frozen)}
+    return OrderedDict((k, v) for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.data_ptr() in frozen))
 
 
 def check_frozen(resume: Path, saved: dict | None, model) -> None:
@@ -123,10 +125,14 @@ def check_holds_trainable(resume: Path, model) -> None:
 
     file = resume / "model.safetensors"
     if not file.is_file():
-        return  # a torch .bin checkpoint or another engine's files: their loader checks them
+        raise ConfigError(f"checkpoint {resume} holds only the parameters that train, and no model.safetensors to check "
+                          "them in")
     with safe_open(str(file), "pt") as f:
         held = set(f.keys())
-    wanted = [name for name in without_frozen(model, model.state_dict()) if name not in held]
+    wanted, storages = without_frozen(model, model.state_dict()), {}
+    for name, tensor in wanted.items():  # tied weights: the file holds one of the names that share a tensor
+        storages.setdefault(tensor.data_ptr(), []).append(name)
+    wanted = [names[0] for names in storages.values() if not any(n in held for n in names)]
     if wanted:
         raise ConfigError(f"checkpoint {resume} lacks {len(wanted)} of the tensors that train (e.g. {wanted[0]})")
 

@@ -108,7 +108,7 @@ def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[s
 def _random_state_kept():
     """A run seeds the process's global generators (Python, NumPy, torch) from --seed: every process must draw the
     same dropout and augmentation. The caller's draws continue afterwards as if no run had happened."""
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_initialized()  # asking an uninitialised device for its state would start CUDA here
     saved = random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
     try:
         yield

@@ -329,6 +329,8 @@ class TrainConfig:
         lora_options += [n for n in ("lora_dropout", "lora_merge") if getattr(self, n)]
         if lora_options and self.lora is None:
             raise ConfigError(f"--{_flag(lora_options[0])} applies with --lora RANK")
+        if self.lora is not None and self.freeze is not None:
+            raise ConfigError("--freeze does not combine with --lora, which trains the adapters alone (the rest is frozen)")
         if not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-dropout takes a probability from 0 to below 1, got {self.lora_dropout}")
         if self.lora_alpha is not None and not self.lora_alpha > 0:

@@ -61,6 +61,8 @@ def export(model_or_run, /, dataset=None, *, format: str, output: str | os.PathL
 
 
 def _check_format(format: str) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every process would write and read back the same files
+        raise ConfigError("export runs as one process: run it without a launcher (the weights are whole in the run)")
     if format not in FORMATS:
         raise ConfigError(f"export: unknown format {format!r}; choose from {', '.join(FORMATS)}"
                           + did_you_mean(str(format), FORMATS))
@@ -255,6 +257,7 @@ def main(argv: list[str]) -> None:
         "where to write it (default: RUN_DIR/export/model.<format>)")
     if known.format is None:
         raise ConfigError(f"acc-trainer export needs --format {'|'.join(FORMATS)}")
+    _check_format(known.format)
     if known.format == "onnx":
         _onnx_installed()  # before the model is rebuilt
     output = given.output or given.run / "export" / f"model.{known.format}"

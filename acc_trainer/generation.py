@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from . import engines
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, first_line
 from .pretrained import load_tokenizer
 
 SAMPLES = "samples.jsonl"
@@ -70,7 +71,12 @@ def write_samples(r) -> None:
     records = []
     for prompt in cfg.prompts:
         r.watch.at("samples", step)  # each prompt is progress: a long list is not a hung process
-        text = continuation(model, r.job.tokenizer, _encoded(r.job.tokenizer, prompt), cfg.max_new_tokens)
+        try:
+            text = continuation(model, r.job.tokenizer, _encoded(r.job.tokenizer, prompt), cfg.max_new_tokens)
+        except Exception as e:  # noqa: BLE001 - the main process alone generates: raised here, the others would hang
+            print(f"acc-trainer: warning: no sample at step {step}: generating from {prompt!r} failed "
+                  f"({type(e).__name__}: {first_line(e)}); training goes on", file=sys.stderr)
+            return
         records.append({"step": step, "prompt": prompt, "text": text})
     path = r.output.folder / SAMPLES
     with r.output.files.writing(path):

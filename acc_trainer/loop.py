@@ -339,7 +339,7 @@ def save_checkpoint(r: Run, name: str | None = None) -> None:
         r.accelerator.save_state(str(folder))
         if r.accelerator.is_main_process:  # a transformers model's config.json: it loads with from_pretrained too
             config_files(r.accelerator.unwrap_model(r.trained.model, keep_torch_compile=False), folder,
-                         whole=not r.trained.frozen)
+                         whole=not r.trained.frozen or name == BEST)
             tokenizer_files(r.job.tokenizer, folder)
 
 

@@ -24,7 +24,7 @@ from accelerate.utils import DistributedDataParallelKwargs, DistributedType, Pro
 
 from . import adapters, checkpoints, components, engines, patches, processes, trackers
 from . import augment as augmentation
-from .checkpoints import Checkpoints
+from .checkpoints import BEST, Checkpoints
 from .components import Checked, Workload, first_samples
 from .config import ConfigError, TrainConfig, first_line
 from .data import steps_per_epoch
@@ -232,8 +232,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     trained = Trained(model, optimizer, scheduler, ema, averaged, tuning, input_dtype, flops, shapes,
                       adapters.parameter_counts(model, tuning.frozen if cfg.unfreeze_at else None), frozen)
     if frozen:  # checkpoints hold what trains (a hook: save_state gathers the weights it writes inside)
-        accelerator.register_save_state_pre_hook(lambda models, weights, _: weights.__setitem__(
-            0, adapters.without_frozen(models[0], weights[0])))
+        accelerator.register_save_state_pre_hook(_trainable_only)
     state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, checked.items))
     if isinstance(train_loader, StreamLoader):
         state.stream = stream_position(0, 0, shape.per_epoch)
@@ -414,6 +413,13 @@ def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str
                          f": {counts['trainable']:,} of {counts['total']:,} parameters train "
                          f"({100 * counts['trainable'] / counts['total']:.2f}%)")
     return model, out
+
+
+def _trainable_only(models: list, weights: list, folder: str) -> None:
+    """`save_state`'s pre-hook for a model with frozen parameters: the weights it writes, less the frozen ones.
+    The best checkpoint stays whole: it is a model to use, not only a point to resume from."""
+    if Path(folder).name != f".tmp-{BEST}":
+        weights[0] = adapters.without_frozen(models[0], weights[0])
 
 
 def _freeze(cfg: TrainConfig, model, out: Tuning) -> None:

@@ -105,6 +105,34 @@ def test_lora_trains_the_adapter_alone_saves_it_in_peft_format_and_resumes_bit_f
     assert results["loss"] == pytest.approx(summary["eval"]["loss"], abs=1e-6)
 
 
+def test_a_partly_frozen_model_with_tied_weights_checkpoints_what_trains_and_resumes(tmp_path, fresh_state,
+                                                                                     torch_on_one_thread):
+    """--freeze on a causal LM whose embedding and output layer are one tensor (trained, under two names): a step
+    checkpoint holds it once and leaves the frozen layer out; the best checkpoint is whole; resumed, the same run."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    import acc_trainer
+
+    options = dict(collate_fn=pad, freeze=r"^model\.layers\.0\.", batch_size=8, max_steps=6, checkpoint_every="3",
+                   save_best="loss", eval_every=3, optimizer="sgd", lr=0.2, progress="none", plots=False)
+    out = tmp_path / "run"
+    acc_trainer.fit(base_model(), documents(48, 0), documents(16, 1), output_dir=str(out), **options)
+    with safe_open(str(out / "checkpoints" / "step-00000003" / "model.safetensors"), "pt") as f:
+        held = set(f.keys())
+    assert not any(".layers.0." in k for k in held) and any(".layers.1." in k for k in held)
+    assert len(held & {"model.embed_tokens.weight", "lm_head.weight"}) == 1  # the tied tensor, once
+    with safe_open(str(out / "checkpoints" / "best" / "model.safetensors"), "pt") as f:
+        assert any(".layers.0." in k for k in f.keys())
+    assert transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "best") is not None
+    again = tmp_path / "again"
+    shutil.copytree(out / "checkpoints" / "step-00000003", again / "checkpoints" / "step-00000003")
+    fresh_state()
+    acc_trainer.fit(base_model(), documents(48, 0), documents(16, 1), output_dir=str(again), resume="auto", **options)
+    first, second = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_lora_mistakes_are_one_line(main_in_process, tmp_path, fresh_state):
     import acc_trainer
     from acc_trainer.config import ConfigError

@@ -133,6 +133,9 @@ class Checker:
     def __init__(self, cfg: TrainConfig, build, steps: int, output_dir: str | None, threads: int | None = None):
         if steps < 2:
             raise ConfigError(f"--steps must be at least 2, got {steps}")
+        if cfg.lora:  # its rows compare whole weights files; a LoRA run writes its adapter alone
+            raise ConfigError("acc-trainer check does not take --lora yet: check the workload without it (the adapters "
+                              "train through the same loop), or wrap the model with peft in your model factory")
         self.cfg, self.build, self.steps, self.threads = cfg, build, steps, threads
         self.folder = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="acc-trainer-check-"))
         self.keep = output_dir is not None
