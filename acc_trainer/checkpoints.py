@@ -377,9 +377,10 @@ def initial_weights(model, path: str, strict: bool = False) -> dict:
         clean[name] = tensor
     own = model.state_dict()
     matched = {k: v for k, v in clean.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
+    loaded = {own[k].data_ptr() for k in matched}  # a tied weight, held once in the file, is loaded under either name
     report = {"from": str(path), "loaded": len(matched),
               "reset": sorted(k for k in clean if k in own and k not in matched),
-              "missing": sorted(k for k in own if k not in clean),
+              "missing": sorted(k for k in own if k not in clean and own[k].data_ptr() not in loaded),
               "unexpected": sorted(k for k in clean if k not in own)}
     if strict and (report["reset"] or report["missing"] or report["unexpected"]):
         first = next(f"{kind} {names[0]}" for kind, names in (("reset", report["reset"]), ("missing", report["missing"]),

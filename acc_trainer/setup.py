@@ -241,7 +241,8 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
         if partial:
             adapters.check_holds_trainable(origin.resume, model)
         with checkpoints.reading(origin.resume):
-            accelerator.load_state(str(origin.resume), strict=not partial)
+            # strict=False lets the frozen tensors be missing (DeepSpeed's own loader takes no `strict`).
+            accelerator.load_state(str(origin.resume), **({"strict": False} if partial else {}))
         checkpoints.check_random_states(accelerator, origin.resume, origin.resumed["world_size"])
         state.load(origin.resumed, accelerator.process_index, world)
         notes += checkpoints.elastic_note(origin.resumed["world_size"], world)

@@ -53,6 +53,7 @@ def test_lora_trains_the_adapter_alone_saves_it_in_peft_format_and_resumes_bit_f
     assert base and all(torch.equal(p, pretrained[n.replace(".base_layer", "")]) for n, p in base.items())
     adapters = {n: p for n, p in trained.items() if "lora_" in n}
     assert any(p.abs().sum() > 0 for n, p in adapters.items() if "lora_B" in n)  # lora_B starts at zero
+    assert summary["init"]["missing"] == []  # the tied output layer, held once in the file, was loaded with it
     assert summary["parameters"] == {"trainable": sum(p.numel() for p in adapters.values()),
                                      "total": sum(p.numel() for p in trained.values())}
 
