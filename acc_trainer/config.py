@@ -405,6 +405,12 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of option: value, not {type(data).__name__}")
+    return option_names(data, f"config file {path}")
+
+
+def option_names(data: dict, where: str) -> dict[str, Any]:
+    """`data`'s keys as TrainConfig's field names (a file may write them with dashes, as the flags are); an
+    unknown one is refused naming `where`, with the nearest known name."""
     known = {f.name for f in fields(TrainConfig)}
     out = {}
     for key, value in data.items():
@@ -412,7 +418,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         if name not in known:
             # Suggested as the file writes its keys: with underscores, or with dashes as the flags and docs do.
             spelled = sorted(known) if "_" in str(key) else sorted(k.replace("_", "-") for k in known)
-            raise ConfigError(f"config file {path}: unknown option {key!r}{did_you_mean(str(key), spelled)}")
+            raise ConfigError(f"{where}: unknown option {key!r}{did_you_mean(str(key), spelled)}")
         out[name] = value
     return out
 

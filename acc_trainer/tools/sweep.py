@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, TrainConfig, did_you_mean, first_line, make_config
+from ..config import ConfigError, TrainConfig, did_you_mean, first_line, make_config, option_names
 from ..flags import Parser
 
 # The keys of a space file, with their defaults (None: worked out from the others).
@@ -153,17 +153,11 @@ def read_space(path: Path, overrides: dict | None = None) -> Space:
 def _options(given: Any, path: Path) -> dict:
     if not isinstance(given, dict):
         raise ConfigError(f"space file {path}: options: must map training options to values (model: mlp, epochs: 3)")
-    known = {f.name for f in fields(TrainConfig)}
-    options = {}
-    for key, value in given.items():
-        name = str(key).replace("-", "_")
-        if name not in known:
-            raise ConfigError(f"space file {path}: unknown option {key!r}"
-                              + did_you_mean(str(key), sorted(k.replace("_", "-") for k in known)))
+    options = option_names(given, f"space file {path}")
+    for name in options:
         if name in NOT_SWEPT:
-            raise ConfigError(f"space file {path}: options: {key} is the sweep's to set: every trial gets its own folder "
-                              "(<sweep-dir>/trial-N) and a stopped trial resumes from its checkpoint")
-        options[name] = value
+            raise ConfigError(f"space file {path}: options: {name.replace('_', '-')} is the sweep's to set: every trial "
+                              "gets its own folder (<sweep-dir>/trial-N) and a stopped trial resumes from its checkpoint")
     return options
 
 
