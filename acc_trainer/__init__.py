@@ -11,13 +11,13 @@ Accelerate and torchvision are imported when a name below is first used.
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "fit": ("acc_trainer.api", "fit"),
-    "train": ("acc_trainer.api", "train"),
+    "fit": ("acc_trainer.training.api", "fit"),
+    "train": ("acc_trainer.training.api", "train"),
     "check": ("acc_trainer.tools.check", "check"),
-    "evaluate": ("acc_trainer.inference", "evaluate"),  # a trained model on any set, exactly
-    "predict": ("acc_trainer.inference", "predict"),  # one row per sample, in the dataset's order
-    "export": ("acc_trainer.exporting", "export"),  # ONNX, pt2 or safetensors, checked on samples
-    "launch_in_notebook": ("acc_trainer.notebook", "launch_in_notebook"),  # several processes from a notebook
+    "evaluate": ("acc_trainer.trained.inference", "evaluate"),  # a trained model on any set, exactly
+    "predict": ("acc_trainer.trained.inference", "predict"),  # one row per sample, in the dataset's order
+    "export": ("acc_trainer.trained.exporting", "export"),  # ONNX, pt2 or safetensors, checked on samples
+    "launch_in_notebook": ("acc_trainer.distributed.notebook", "launch_in_notebook"),  # several processes from a notebook
     "TrainConfig": ("acc_trainer.config", "TrainConfig"),
     "ConfigError": ("acc_trainer.config", "ConfigError"),
     "TrainingStopped": ("acc_trainer.stopping", "TrainingStopped"),

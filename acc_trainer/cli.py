@@ -26,10 +26,10 @@ COMMANDS = ("launch", "report", "bench", "bench-lm", "check", "check-data", "eva
 def check_data(argv: list[str]) -> None:
     """`acc-trainer check-data [options]`: opens every sample of the dataset the options name, once, and
     lists those that cannot be read (or that --collate cannot batch); exit 1 when there are some."""
-    from .components import build_batching, build_data
-    from .data import is_stream, unreadable_samples
-    from .progress import make_console
-    from .streams import read_through
+    from .data.datasets import is_stream, unreadable_samples
+    from .data.streams import read_through
+    from .outputs.progress import make_console
+    from .workload.components import build_batching, build_data
 
     cfg = parse_config(argv)
     data = build_data(cfg)
@@ -64,17 +64,17 @@ def sub_command(name: str):
 
         return report
     if name == "launch":
-        from .launching import main as launch
+        from .distributed.launching import main as launch
 
         return launch
     if name == "check-data":
         return check_data
     if name in ("evaluate", "predict"):
-        from .inference import main_evaluate, main_predict
+        from .trained.inference import main_evaluate, main_predict
 
         return main_evaluate if name == "evaluate" else main_predict
     if name == "export":
-        from .exporting import main as export
+        from .trained.exporting import main as export
 
         return export
     if name == "check":
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             return sub_command(argv[0])(argv[1:])
         again = None  # `rerun RUN_DIR [options]`: training, from the run's own config.yaml (reruns.py)
         if argv[:1] == ["rerun"]:
-            from .reruns import rerun_config
+            from .trained.reruns import rerun_config
 
             again, cfg = rerun_config(argv[1:])
         elif argv and not argv[0].startswith("-"):  # training takes no positional argument: a mistyped command
@@ -122,13 +122,13 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"unknown command {argv[0]!r}{hint}")
         else:
             cfg = parse_config(argv)
-        from .api import train  # imported here so that --help and input errors answer at once
         from .patches import keep_freed_memory, leave_without_teardown
+        from .training.api import train  # imported here so that --help and input errors answer at once
 
         keep_freed_memory()  # the command's process is the trainer's own (docs/performance.md)
         summary = train(cfg)
         if again is not None:
-            from .reruns import report_weights
+            from .trained.reruns import report_weights
 
             report_weights(again, cfg, summary)  # the main process says whether they are the run's, bit for bit
         if several:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             leave_without_teardown(0)
     except ConfigError as e:
         line = f"acc-trainer: error{f' (rank {rank})' if several else ''}: {e}"
-        from .launching import tell_launcher
+        from .distributed.launching import tell_launcher
 
         # Every process meets the same bad input: under torch's launcher each hands its line over and only the
         # main process prints it; `acc-trainer launch` shows one that another machine's alone met (docs/scaling.md).

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import acc_trainer
-from acc_trainer.packing import pack
+from acc_trainer.data.packing import pack
 
 
 def documents(files: int, longest: int, seed: int = 0) -> list[torch.Tensor]:

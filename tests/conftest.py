@@ -136,8 +136,8 @@ def train_in_process(tmp_path):
     """Runs `acc_trainer.train` in this process, one run after another, as the API user does."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from acc_trainer.api import train
     from acc_trainer.config import make_config
+    from acc_trainer.training.api import train
 
     count = 0
 

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from test_checkpoints import interrupted
 from test_data import write_cifar
 
-from acc_trainer.augment import Augment, crop_flip, resized_crop, trivial_augment, uniforms
-from acc_trainer.components import build_data
 from acc_trainer.config import TrainConfig
-from acc_trainer.data import InMemory, PerSample, augmented
+from acc_trainer.data.augment import Augment, crop_flip, resized_crop, trivial_augment, uniforms
+from acc_trainer.data.datasets import InMemory, PerSample, augmented
+from acc_trainer.workload.components import build_data
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
@@ -189,7 +189,7 @@ def test_trivialaugment_leaves_the_cuda_generators_alone(monkeypatch):
 
 
 def test_mixup_weights_follow_beta():
-    from acc_trainer.augment import beta_quantile
+    from acc_trainer.data.augment import beta_quantile
 
     u = uniforms(1, 0, torch.arange(50_000), 1)[:, 0]
     for alpha in (0.2, 1.0):
@@ -234,8 +234,8 @@ def test_augmentation_mistakes_are_one_line(main_in_process, args, message):
 
 
 def test_resnet18_cifar_keeps_32x32_images_at_4x4_in_its_last_stage():
-    from acc_trainer.data import Data
-    from acc_trainer.models import MODELS
+    from acc_trainer.data.datasets import Data
+    from acc_trainer.workload.models import MODELS
 
     model = MODELS["resnet18_cifar"](Data(None, None, "classification", 10, (3, 32, 32)))
     assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
@@ -292,7 +292,7 @@ def test_augmentation_helps_a_small_training_set(monkeypatch, tmp_path):
     from torch.utils.data import TensorDataset
 
     import acc_trainer
-    from acc_trainer.models import LeNet
+    from acc_trainer.workload.models import LeNet
 
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     from shapes import load

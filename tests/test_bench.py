@@ -76,7 +76,7 @@ def test_channels_last_reaches_the_model_and_changes_no_result(train_in_process,
     import torch
     from safetensors.torch import load_file
 
-    from acc_trainer.models import LeNet
+    from acc_trainer.workload.models import LeNet
 
     seen = []
     forward = LeNet.forward

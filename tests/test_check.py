@@ -138,9 +138,9 @@ def test_faults_a_resume_that_starts_over_fails(project, monkeypatch):
     from my_model import Net
 
     import acc_trainer
-    import acc_trainer.checkpoints
+    import acc_trainer.outputs.checkpoints
 
-    monkeypatch.setattr(acc_trainer.checkpoints, "find_resume", lambda cfg, out: (None, []))  # inherited by the forks
+    monkeypatch.setattr(acc_trainer.outputs.checkpoints, "find_resume", lambda cfg, out: (None, []))  # inherited by the forks
     train, evaluation = load()
     rows = {r["check"]: r for r in acc_trainer.check(Net(4), train, evaluation, steps=4, faults=["kill"], **OPTIONS)}
     assert list(rows) == ["SIGKILL to process 1 after the step-2 checkpoint", "resumed after SIGKILL (--resume auto)"]

@@ -17,8 +17,8 @@ import torch
 from conftest import BIN, CONFIGS, REPO, _env, check, free_port, launch, metrics, run_cli, run_here, summary
 from safetensors.torch import load_file
 
-from acc_trainer.checkpoints import complete_checkpoints
 from acc_trainer.config import ConfigError
+from acc_trainer.outputs.checkpoints import complete_checkpoints
 
 INTERRUPT = REPO / "tests" / "interrupt.py"
 # 16 steps per epoch, 3 epochs; accumulation (2 micro-batches a step), a cosine schedule with warmup and a
@@ -161,7 +161,7 @@ def test_a_nan_on_one_process_stops_all_of_them(tmp_path):
 
 
 def test_skip_nonfinite_steps_are_skipped_and_counted(train_in_process, monkeypatch):
-    from acc_trainer import data
+    from acc_trainer.data.datasets import datasets as data
 
     synthetic = data.DATASETS["synthetic"]
 
@@ -360,12 +360,12 @@ def test_best_checkpoint_and_final_weights(train_in_process):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
-    from acc_trainer.evaluation import evaluate
-    from acc_trainer.loaders import build_loaders, dataloader_config
-    from acc_trainer.losses import cross_entropy
-    from acc_trainer.metrics import METRICS
+    from acc_trainer.data.loaders import build_loaders, dataloader_config
+    from acc_trainer.training.evaluation import evaluate
+    from acc_trainer.workload.components import build_data, build_model
+    from acc_trainer.workload.losses import cross_entropy
+    from acc_trainer.workload.metrics import METRICS
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import check
 
-from acc_trainer.components import build_data
 from acc_trainer.config import ConfigError, TrainConfig
+from acc_trainer.workload.components import build_data
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
@@ -59,7 +59,7 @@ def test_cifar_loads_from_torchvision_layout(tmp_path, name, classes, test_file)
     assert image.shape == (3, 32, 32) and label == written[test_file]["fine_labels" if name == "cifar100" else "labels"][3]
     # Pixels arrive as written, normalised with the dataset's mean and std.
     raw = torch.tensor(written[test_file]["data"][3].reshape(3, 32, 32), dtype=torch.float32) / 255
-    from acc_trainer.data import CIFAR_MEAN_STD
+    from acc_trainer.data.datasets import CIFAR_MEAN_STD
 
     mean, std = (torch.tensor(v)[:, None, None] for v in CIFAR_MEAN_STD[name])
     torch.testing.assert_close(image, (raw - mean) / std)
@@ -150,8 +150,8 @@ def test_imagefolder_evaluates_on_the_centre_and_trains_on_random_resized_crops(
     from PIL import Image
     from torchvision import transforms as T
 
-    from acc_trainer.augment import from_config
-    from acc_trainer.data import augmented
+    from acc_trainer.data.augment import from_config
+    from acc_trainer.data.datasets import augmented
 
     write_imagefolder(tmp_path, {"train": 3, "val": 2})
     config = TrainConfig(dataset="imagefolder", data_dir=str(tmp_path), batch_size=2, image_size=24,
@@ -192,7 +192,7 @@ def test_broken_torchvision_is_reported_not_a_crash(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     # It imports; and then, in the same process, workloads that do not need torchvision still run (their
     # output to stderr, so that stdout holds what the import printed alone).
-    code = ("import acc_trainer, acc_trainer.loop, acc_trainer.cli; print('imported', flush=True)\n"
+    code = ("import acc_trainer, acc_trainer.training.loop, acc_trainer.cli; print('imported', flush=True)\n"
             "import contextlib, sys\n"
             "with contextlib.redirect_stdout(sys.stderr):\n"
             f"    acc_trainer.cli.main(['--model', 'mlp', '--max-steps', '2', '--eval-size', '64', '--output-dir', "
@@ -232,7 +232,7 @@ def test_a_generated_set_is_built_without_copies_of_it():
 
     code = ("import resource, torch\n"
             "from acc_trainer.config import make_config\n"
-            "from acc_trainer.data import synthetic\n"
+            "from acc_trainer.data.datasets import synthetic\n"
             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
             "data = synthetic(make_config({'train_size': 21846, 'eval_size': 16}))\n"
             "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
@@ -245,7 +245,7 @@ def test_a_generated_set_is_built_without_copies_of_it():
     import torch.nn.functional as F
 
     from acc_trainer.config import make_config
-    from acc_trainer.data import NUM_SYNTHETIC_CLASSES, synthetic
+    from acc_trainer.data.datasets import NUM_SYNTHETIC_CLASSES, synthetic
 
     g = torch.Generator().manual_seed(42)
     prototypes = F.interpolate(torch.randn(NUM_SYNTHETIC_CLASSES, 3, 4, 4, generator=g), size=(32, 32),

@@ -72,7 +72,7 @@ import json, sys
 from pathlib import Path
 from safetensors.torch import load_file
 import acc_trainer
-from acc_trainer.components import build_data, build_model
+from acc_trainer.workload.components import build_data, build_model
 from acc_trainer.config import make_config
 
 run, out = Path(sys.argv[1]), Path(sys.argv[2])
@@ -108,8 +108,8 @@ def _model_outputs(run):
     """The run's model called on each evaluation sample alone, in the test's own process."""
     from safetensors.torch import load_file
 
-    from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
+    from acc_trainer.workload.components import build_data, build_model
 
     cfg = make_config({"model": "mlp", "dataset": "synthetic", "train_size": 512, "eval_size": 101})
     data = build_data(cfg)
@@ -217,7 +217,7 @@ def test_a_metric_object_without_compute_is_one_line(tmp_path):
 
 def test_iou_of_segmentation_outputs_over_batches():
     """`iou` sums intersections and unions per class over the batches (labels of -100 left out)."""
-    from acc_trainer.metrics import IoU
+    from acc_trainer.workload.metrics import IoU
 
     g = torch.Generator().manual_seed(0)
     scores, targets = torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 3, (6, 8, 8), generator=g)
@@ -235,7 +235,7 @@ def test_binary_auroc_counts_ties_half_as_scikit_learn_does():
     """Two classes (or one logit per sample), with tied scores, over batches."""
     from sklearn.metrics import roc_auc_score
 
-    from acc_trainer.metrics import AUROC
+    from acc_trainer.workload.metrics import AUROC
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randint(-3, 4, (200,), generator=g).float()  # few distinct values: many ties

@@ -28,7 +28,7 @@ def runs(tmp_path_factory):
 def _trained_model_and_inputs(run):
     """The run's model as a user rebuilds it (its config, its factory under its seed) and 3 evaluation images."""
     import acc_trainer
-    from acc_trainer.components import build_data, build_model, first_samples
+    from acc_trainer.workload.components import build_data, build_model, first_samples
 
     cfg = acc_trainer.parse_config(["--config", str(run / "config.yaml")])
     acc_trainer.set_seed(cfg.seed)

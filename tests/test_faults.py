@@ -95,7 +95,7 @@ class _RunsCode:
 
 
 def test_a_checkpoint_whose_rng_states_cannot_be_restored_is_refused(tmp_path, main_in_process, finished_run):
-    from acc_trainer.checkpoints import write_sums
+    from acc_trainer.outputs.checkpoints import write_sums
 
     out = copy_of(finished_run[0], tmp_path)  # a finished run, FINISHED: checkpoints at steps 2 and 4
     checkpoint = out / "checkpoints" / "step-00000002"

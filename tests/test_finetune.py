@@ -156,7 +156,7 @@ def test_param_groups_layer_decay_and_no_decay_on_norms_and_biases():
     from torchvision.models import resnet18
 
     from acc_trainer.config import make_config
-    from acc_trainer.optim import _depths, build_optimizer, param_groups
+    from acc_trainer.workload.optim import _depths, build_optimizer, param_groups
 
     model = resnet18(num_classes=5)
     names = [n for n, _ in model.named_parameters()]
@@ -178,7 +178,7 @@ def test_param_groups_layer_decay_and_no_decay_on_norms_and_biases():
 
 def test_a_factorys_own_learning_rate_and_decay_stay_and_groups_scale_them():
     from acc_trainer.config import make_config
-    from acc_trainer.optim import build_optimizer, param_groups
+    from acc_trainer.workload.optim import build_optimizer, param_groups
 
     cfg = make_config({"param_groups": {r"^body\.": {"lr_mult": 0.1}}, "lr": 1e-3, "weight_decay": 0.0})
     optimizer = build_optimizer(cfg, param_groups(cfg, Net(4), 1e-3), 1e-3,
@@ -239,8 +239,8 @@ def test_pretrained_weights_in_the_cache_get_a_new_head(tmp_path, monkeypatch):
     reference = resnet18()
     torch.save(reference.state_dict(), folder / "resnet18-f37072fd.pth")
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
+    from acc_trainer.workload.components import build_data, build_model
 
     cfg = make_config({"model": "torchvision:resnet18", "pretrained": True, "train_size": 256})
     model = build_model(cfg, build_data(cfg))
@@ -263,7 +263,7 @@ def test_fine_tuning_beats_training_from_scratch_on_few_labels(pretrained, tmp_p
 
 def test_the_schedule_scales_every_group_alike():
     from acc_trainer.config import make_config
-    from acc_trainer.optim import build_optimizer, build_scheduler, param_groups
+    from acc_trainer.workload.optim import build_optimizer, build_scheduler, param_groups
 
     model = Net(4)
     for name in ("cosine", "onecycle"):
@@ -281,7 +281,7 @@ def test_the_built_in_schedules_follow_torchs_own():
     """`step` is torch's StepLR over epochs of optimizer steps, `cosine` its CosineAnnealingLR to 0 (both
     without warmup), learning rate for learning rate over a run of 3 epochs of 5 steps."""
     from acc_trainer.config import make_config
-    from acc_trainer.optim import build_optimizer, build_scheduler, param_groups
+    from acc_trainer.workload.optim import build_optimizer, build_scheduler, param_groups
 
     for name, theirs in (("step", lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2 * 5, gamma=0.3)),
                          ("cosine", lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=15))):

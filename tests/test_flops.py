@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from acc_trainer.measure import flops_per_sample
+from acc_trainer.workload.measure import flops_per_sample
 
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
 
@@ -152,8 +152,8 @@ def test_the_built_in_models_count_what_running_them_counts():
     """The copy on the meta device against the model itself run forward and backward under torch's counter."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from acc_trainer.data import Data
-    from acc_trainer.models import MODELS
+    from acc_trainer.data.datasets import Data
+    from acc_trainer.workload.models import MODELS
 
     cases = [(name, (3, 32, 32)) for name in MODELS if name != "linreg"] + [("resnet18", (3, 64, 64)),
                                                                             ("linreg", (1,))]

@@ -109,7 +109,7 @@ def test_samples_at_each_evaluation_leave_the_weights_bit_identical(project):
 def test_the_tokenizer_is_saved_with_the_run_and_each_checkpoint(project):
     from transformers import AutoTokenizer
 
-    from acc_trainer.checkpoints import damage
+    from acc_trainer.outputs.checkpoints import damage
 
     run, text = project.folder / "with", "the old cat flew over a zebra"
     given = AutoTokenizer.from_pretrained(project.folder / "tok")
@@ -212,7 +212,7 @@ def test_bad_input_is_one_line(project, args, message):
 
 def test_prompts_are_refused_where_each_process_holds_a_shard(monkeypatch):
     from acc_trainer.config import ConfigError, TrainConfig
-    from acc_trainer.generation import ready
+    from acc_trainer.language.generation import ready
 
     class Generates(torch.nn.Module):
         def generate(self, ids):

@@ -40,7 +40,7 @@ class _Overflow(torch.autograd.Function):
 
 
 def test_fp16_loss_scaling_skips_an_overflowing_step_and_recovers(train_in_process, monkeypatch):
-    from acc_trainer.models import MLP
+    from acc_trainer.workload.models import MLP
 
     forward = MLP.forward
     monkeypatch.setattr(MLP, "forward", lambda self, x: _Overflow.apply(forward(self, x)))

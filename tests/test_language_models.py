@@ -97,7 +97,8 @@ def test_a_two_process_run_loads_where_users_load_models(runs):
 
 def test_bf16_on_a_cpu_without_bf16_instructions_says_it_will_be_slow(tmp_path, monkeypatch):
     import acc_trainer
-    from acc_trainer import measure, setup
+    from acc_trainer.training import setup
+    from acc_trainer.workload import measure
 
     (tmp_path / "avx2").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
     (tmp_path / "zen4").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n")

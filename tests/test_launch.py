@@ -85,7 +85,7 @@ def test_a_failed_run_ends_with_its_processes_exit_code_and_at_most_one_line(tmp
     is bad input (the launcher may end the others first); a line only another machine met is shown."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from acc_trainer.launching import _failed, tell_launcher
+    from acc_trainer.distributed.launching import _failed, tell_launcher
 
     def failure(rank, exitcode, told=None):
         path = tmp_path / f"{rank}-{exitcode}.json"

@@ -292,9 +292,9 @@ def test_zoo_models_get_the_datas_number_of_classes(tmp_path, main_in_process, m
     assert summary(out)["eval_samples"] == 37
     assert load_file(out / "model.safetensors")["fc.weight"].shape == (3, 512)  # Shapes.classes: 3
     pytest.importorskip("timm")
-    from acc_trainer.components import build_model
     from acc_trainer.config import TrainConfig
-    from acc_trainer.data import Data
+    from acc_trainer.data.datasets import Data
+    from acc_trainer.workload.components import build_model
 
     model = build_model(TrainConfig(model="timm:resnet18"), Data(None, None, "classification", 7, (3, 32, 32)))
     assert model.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, 7)
@@ -327,7 +327,9 @@ def test_the_examples_run(tmp_path, main_in_process, monkeypatch):
 
 
 def test_built_in_names_match_the_registries():
-    from acc_trainer import config, data, models
+    from acc_trainer import config
+    from acc_trainer.data.datasets import datasets as data
+    from acc_trainer.workload import models
 
     assert config.MODELS == tuple(models.MODELS) and config.DATASETS == tuple(data.DATASETS)
     assert json.loads(json.dumps(config.TrainConfig(model_args={"a": [1]}).to_dict()))["model_args"] == {"a": [1]}
@@ -422,7 +424,7 @@ def test_a_transformers_run_folder_loads_with_from_pretrained(tmp_path):
 def test_a_config_transformers_refuses_to_write_leaves_the_weights(tmp_path, capsys):
     """transformers raises ValueError for a config it finds invalid: a warning, not a crash of the main process
     alone (the others would wait at the next collective)."""
-    from acc_trainer.pretrained import config_files
+    from acc_trainer.language.pretrained import config_files
 
     class Refused:
         def save_pretrained(self, folder):

@@ -1,4 +1,4 @@
-"""Packing (--pack, acc_trainer.packing): documents of tokens as blocks of one length, every document whole and
+"""Packing (--pack, acc_trainer.data.packing): documents of tokens as blocks of one length, every document whole and
 once, its first token never a target; attention within each document (the packed loss is the loss of the same
 documents one by one), proved on the model at start and refused where it does not hold; the token loss exact
 with accumulation. The 2-process run is tests/lm_probe.py's (`documents`, `tiny_llama` and `pack` below build the
@@ -43,9 +43,9 @@ def segments(block: dict) -> list[tuple[list[int], list[int]]]:
 
 
 def test_blocks_hold_every_document_whole_once_and_train_no_first_token():
-    from acc_trainer.components import build_data
     from acc_trainer.config import ConfigError, TrainConfig
-    from acc_trainer.packing import pack
+    from acc_trainer.data.packing import pack
+    from acc_trainer.workload.components import build_data
 
     lengths = [3, 7, 5, 12, 1, 4, 0, 8]  # 40 tokens; the 12 is longer than a block
     docs = [torch.arange(n) + 100 * (i + 1) for i, n in enumerate(lengths)]  # every token says its document
@@ -100,7 +100,7 @@ def test_the_packed_loss_is_the_loss_of_each_document_alone(tmp_path, torch_on_o
     and it does not. A model that attends across documents anyway is refused at start, in one line."""
     import acc_trainer
     from acc_trainer.config import ConfigError
-    from acc_trainer.packing import pack
+    from acc_trainer.data.packing import pack
 
     docs = documents(40, 0)
     for attention in ("sdpa", "eager"):

@@ -154,7 +154,7 @@ def test_fit_leaves_the_process_as_it_found_it(monkeypatch, tmp_path, torch_on_o
     """A user's `fit` changes neither glibc's allocator nor any class of Accelerate; the command line keeps
     freed memory (docs/performance.md)."""
     import acc_trainer
-    import acc_trainer.api
+    import acc_trainer.training.api
     from acc_trainer import cli
 
     calls = []
@@ -168,6 +168,6 @@ def test_fit_leaves_the_process_as_it_found_it(monkeypatch, tmp_path, torch_on_o
     finally:
         reset_accelerate()
     assert calls == [] and Accelerator.backward is backward
-    monkeypatch.setattr(acc_trainer.api, "train", lambda cfg: calls.append("train"))
+    monkeypatch.setattr(acc_trainer.training.api, "train", lambda cfg: calls.append("train"))
     cli.main(["--epochs", "1"])
     assert calls == ["mallopt", "train"]

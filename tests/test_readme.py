@@ -111,7 +111,7 @@ def default_job_learns_and_leaves_its_files(run_dir: Path, out: str, cwd: Path) 
     assert parse_config(["--config", str(run_dir / "config.yaml")]).to_dict() == resolved
 
     # Final weights: saved once, and they load into a freshly built model of the same name.
-    from acc_trainer.components import build_data, build_model
+    from acc_trainer.workload.components import build_data, build_model
 
     model = build_model(TrainConfig(), build_data(TrainConfig()))
     weights = load_file(run_dir / "model.safetensors")

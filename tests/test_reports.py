@@ -114,7 +114,7 @@ def test_the_bars_follow_the_loop_without_a_call_into_rich_per_step(monkeypatch,
     counts a few times a second: the loop's steps cost no call into rich, and the bars end at the counts."""
     from rich.progress import Progress as RichProgress
 
-    from acc_trainer.progress import Progress
+    from acc_trainer.outputs.progress import Progress
 
     monkeypatch.setenv("FORCE_COLOR", "1")
     monkeypatch.setenv("COLUMNS", "200")  # the bars and their figures on one line

@@ -86,7 +86,7 @@ def workers(torchrun: subprocess.Popen) -> dict[str, int]:
 def test_a_launcher_that_shares_one_store_between_attempts_is_named(monkeypatch, capsys):
     """torch elastic's shared store (its c10d rendezvous unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, its static one
     always) keeps a dead attempt's addresses, which a restarted one can read: said at start."""
-    from acc_trainer.processes import warn_if_restarts_share_a_store
+    from acc_trainer.distributed.processes import warn_if_restarts_share_a_store
 
     main = types.SimpleNamespace(is_main_process=True)
     for restarts, shared, warned in [("1", "True", True), ("1", "False", False), ("0", "True", False), (None, None, False)]:

@@ -93,8 +93,8 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
     # model, equal to the plain run's.
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000010"
     assert (checkpoint / shards).exists()
-    from acc_trainer.data import Data
-    from acc_trainer.models import mlp
+    from acc_trainer.data.datasets import Data
+    from acc_trainer.workload.models import mlp
 
     final, reference = load_file(tmp_path / "run" / "model.safetensors"), load_file(plain_run / "model.safetensors")
     mlp(Data(None, None, "classification", 10, (3, 32, 32))).load_state_dict(final)  # strict
@@ -108,9 +108,9 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
     assert summary(tmp_path / "resumed")["evals"] == s["evals"]
 
     # A checkpoint needs the engine that wrote it.
-    from acc_trainer.checkpoints import read_state
     from acc_trainer.config import ConfigError
     from acc_trainer.flags import parse_config
+    from acc_trainer.outputs.checkpoints import read_state
 
     cfg = parse_config([*SHARDED_JOB, "--output-dir", str(tmp_path / "ddp"), "--checkpoint-every", "10"])
     with pytest.raises(ConfigError, match=f"was written under {engine}; resume it with the same accelerate config "

@@ -184,7 +184,7 @@ def test_an_unreadable_shard_stops_every_process_after_a_checkpoint(runs):
 
 
 def test_a_finished_model_evaluates_and_predicts_a_stream(runs):
-    """acc_trainer.inference on a stream: every sample once (31 in global batches of 8 on 2 processes), the
+    """acc_trainer.trained.inference on a stream: every sample once (31 in global batches of 8 on 2 processes), the
     results and the predictions, in the stream's order, those of the same samples held in memory."""
     reference = json.loads((runs["one"] / "inference_map.json").read_text())
     for where in ("one", "two"):
@@ -310,7 +310,7 @@ def test_a_saved_position_a_checkpoint_cannot_hold_is_one_line(tmp_path, torch_o
 
 def loaders(dataset, world: int, batch: int = 12, parts: int = 2, train: bool = True, collate=None):
     """One StreamLoader per process of `world`, each agreeing with the others as when all have the same stream."""
-    from acc_trainer.streams import StreamLoader
+    from acc_trainer.data.streams import StreamLoader
 
     return [StreamLoader(dataset, batch, parts, world, rank, collate, torch.device("cpu"),
                          (lambda values: [v * world for v in values]) if world > 1 else None, "test", train=train)
@@ -337,7 +337,7 @@ def test_each_process_takes_its_own_slice_of_every_micro_batch():
 
 def test_a_stream_of_another_length_on_one_process_is_one_line():
     from acc_trainer.config import ConfigError
-    from acc_trainer.streams import StreamLoader
+    from acc_trainer.data.streams import StreamLoader
 
     # The other process always has a step: at this one's end, one of the two has none.
     loader = StreamLoader(streams_data.Numbers(), 12, 1, 2, 0, None, torch.device("cpu"),
@@ -407,7 +407,7 @@ def test_the_reader_worker_returns_samples_as_they_were(torch_on_one_thread):
     error of this step, not a hang."""
     from torchvision import tv_tensors
 
-    from acc_trainer.streams import StreamLoader
+    from acc_trainer.data.streams import StreamLoader
 
     class Boxes(torch.utils.data.IterableDataset):
         def __iter__(self):

@@ -177,7 +177,7 @@ def test_an_optuna_search_over_fit_in_one_process(tmp_path, monkeypatch, torch_o
     from torch.utils.data import TensorDataset
 
     import acc_trainer
-    from acc_trainer import api, runfiles  # noqa: F401 (imported first: rich's import draws one number from random)
+    from acc_trainer.outputs import runfiles  # noqa: F401 (imported first: rich's import draws one number from random)
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(runfiles.time, "strftime", lambda *_: "20250101-000000")  # every run in the same second

@@ -315,7 +315,7 @@ def stack(samples):
 def test_a_micro_batch_without_any_token_adds_nothing(lm):
     """Every label -100 (a prompt cut before its answer): the model's own mean is NaN; counted per token the
     micro-batch adds 0 to the loss and nothing to the gradients, and training goes on."""
-    from acc_trainer.losses import count_next_tokens, model_loss
+    from acc_trainer.workload.losses import count_next_tokens, model_loss
 
     model = lm.gpt2()
     batch = lm.pad([{"input_ids": torch.arange(1, 9)}, {"input_ids": torch.arange(3, 7)}])

@@ -114,8 +114,8 @@ def test_two_processes_end_with_the_parameters_of_one(runs, name):
 def max_difference_from_initial(run: Path, options: dict) -> float:
     from accelerate.utils import set_seed
 
-    from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
+    from acc_trainer.workload.components import build_data, build_model
 
     cfg = make_config(options)
     set_seed(cfg.seed)  # as the trainer does before building the model
@@ -160,8 +160,8 @@ def test_metrics_with_state_equal_the_whole_set_on_any_number_of_processes(runs)
     from sklearn.metrics import confusion_matrix, f1_score, precision_score, recall_score, roc_auc_score
     from torchmetrics.classification import MulticlassF1Score
 
-    from acc_trainer.components import build_data, build_model
     from acc_trainer.config import make_config
+    from acc_trainer.workload.components import build_data, build_model
 
     for size in EVAL["sizes"]:
         cfg = make_config({"model": "mlp", "eval_size": size, "train_size": 64, "batch_size": 6})

@@ -5,9 +5,9 @@
     topology_probe.run_jobs(JOBS, OUT_DIR)                                 (1 process: the test's own)
 
 One launch runs many jobs because starting processes costs more than these small jobs. Jobs:
-  train:     acc_trainer.api.train(options); the run folder is OUT_DIR/<name>
+  train:     acc_trainer.training.api.train(options); the run folder is OUT_DIR/<name>
   order:     which sample indices every optimizer step of the training loader sees, over 2 epochs
-  eval:      acc_trainer.evaluation.evaluate over eval sets of several sizes and batch sizes, with metrics with state
+  eval:      acc_trainer.training.evaluation.evaluate over eval sets of several sizes and batch sizes, with metrics with state
   allreduce: a train job that also counts DDP's gradient all-reduces (bucket hooks)
   disagree:  the trainer's rank-agreement check on weights changed on process 1 only
 The main process writes OUT_DIR/<name>.json for the jobs other than train.
@@ -26,15 +26,15 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from torch.utils.data import TensorDataset
 
-from acc_trainer.api import train
-from acc_trainer.components import build_data, build_model
 from acc_trainer.config import make_config
-from acc_trainer.data import Data
-from acc_trainer.evaluation import evaluate
-from acc_trainer.loaders import build_loaders, dataloader_config
-from acc_trainer.losses import cross_entropy
-from acc_trainer.metrics import AUROC, F1, METRICS, Confusion, Precision, Recall
-from acc_trainer.processes import ranks_agree
+from acc_trainer.data.datasets import Data
+from acc_trainer.data.loaders import build_loaders, dataloader_config
+from acc_trainer.distributed.processes import ranks_agree
+from acc_trainer.training.api import train
+from acc_trainer.training.evaluation import evaluate
+from acc_trainer.workload.components import build_data, build_model
+from acc_trainer.workload.losses import cross_entropy
+from acc_trainer.workload.metrics import AUROC, F1, METRICS, Confusion, Precision, Recall
 
 
 def fresh_state() -> None:

@@ -28,12 +28,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ..components import build_data, build_model
 from ..config import TrainConfig
-from ..data import InMemory, PerSample
-from ..measure import peak_memory_mb
-from ..optim import build_optimizer
+from ..data.datasets import InMemory, PerSample
 from ..patches import keep_freed_memory
+from ..workload.components import build_data, build_model
+from ..workload.measure import peak_memory_mb
+from ..workload.optim import build_optimizer
 
 
 def run(loop: str, cfg: TrainConfig, steps: int) -> dict:

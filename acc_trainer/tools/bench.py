@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
 from ..flags import Parser, add_training_options, config_from
-from ..progress import make_console
+from ..outputs.progress import make_console
 
 BASELINES = ("raw", "raw-ddp", "dp", "ceiling")
 PIPELINES = ("batched", "per-sample", "stream")
@@ -95,10 +95,11 @@ def pipeline_speed(cfg: TrainConfig, pipeline: str, batches: int) -> float:
     import torch
     from accelerate.utils import send_to_device
 
-    from .. import augment, components
-    from ..loaders import build_loaders
-    from ..loop import stream_position
-    from ..streams import StreamLoader
+    from ..data import augment
+    from ..data.loaders import build_loaders
+    from ..data.streams import StreamLoader
+    from ..training.loop import stream_position
+    from ..workload import components
 
     cfg = replace(cfg, data_pipeline=pipeline if pipeline != "stream" else cfg.data_pipeline)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
@@ -135,7 +136,7 @@ def write_stream(cfg: TrainConfig, folder: Path, shards: int = 4) -> TrainConfig
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .. import components
+    from ..workload import components
 
     data = components.build_data(cfg)
     folder.mkdir(parents=True, exist_ok=True)
@@ -361,7 +362,7 @@ def main(argv: list[str]) -> None:
     names = variants(args, gpus)
     generated = cfg.dataset in ("synthetic", "linear", "fake")
     if not generated:
-        from ..components import build_data
+        from ..workload.components import build_data
     per_epoch = max(1, (cfg.train_size if generated else len(build_data(cfg).train)) // cfg.batch_size)
     # Enough epochs for --steps; a small evaluation set (evaluation is not measured anyway).
     cfg.epochs = math.ceil(args.steps / per_epoch)

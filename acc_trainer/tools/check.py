@@ -69,8 +69,8 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate
     check, result, measured, cause, fix). `output_dir` keeps the short runs (else they are removed).
     `faults`: True (or names from FAULTS: "kill", "stall") for the fault rows instead of the guarantees;
     `hang_timeout=S` sets the watchdog's bound for them."""
-    from ..api import fit_config
-    from ..components import from_objects
+    from ..training.api import fit_config
+    from ..workload.components import from_objects
 
     cfg = replace(fit_config(model, train_data, config, options, collate_fn, forward), output_dir=None)
     # One thread per process: this process may have run OpenMP work already (building the data, say),
@@ -99,7 +99,7 @@ def _named_workload(cfg: TrainConfig):
     reads or downloads the data first)."""
     from accelerate.utils import set_seed
 
-    from ..components import build_workload
+    from ..workload.components import build_workload
 
     set_seed(cfg.seed)
     return build_workload(cfg)
@@ -184,9 +184,9 @@ class Checker:
         """The guarantee rows, or with `faults` (names from FAULTS) the fault rows; prints the table."""
         # Imported once here and inherited by every forked job, which would otherwise import them itself:
         # torch._dynamo alone (imported by the first optimizer) costs each job about 3 s on a small CPU.
-        for module in ("torch._dynamo", "acc_trainer.loop"):
+        for module in ("torch._dynamo", "acc_trainer.training.loop"):
             importlib.import_module(module)
-        from ..progress import make_console
+        from ..outputs.progress import make_console
 
         console = make_console()
         half = self.steps // 2
@@ -294,9 +294,9 @@ def _worker(rank: int, build, cfg: TrainConfig, world: int, port: int, nudge: bo
         file = os.open(Path(folder) / f"stderr-{rank}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, 2)
         os.close(file)
-    from ..loop import run
-    from ..processes import start
+    from ..distributed.processes import start
     from ..stopping import lost_contact
+    from ..training.loop import run
 
     record = {"samples": [], "draws": False}
     try:
@@ -347,7 +347,7 @@ def _recorder(record: dict):
 def _in_training_steps() -> bool:
     """Whether the model is called by the loop's training steps (loop.train_epoch is on the stack), not by the
     checks at start (components.check_fit) or the FLOP count, which pass the first samples through it."""
-    from ..loop import train_epoch
+    from ..training.loop import train_epoch
 
     # sys._getframe (CPython's frame access, documented as implementation-specific): the recorder asks where
     # it is called from instead of the core setting a flag for it.

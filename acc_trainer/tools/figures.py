@@ -1,11 +1,11 @@
 """The figures of the tools: `acc-trainer report`'s comparison of runs and `acc-trainer bench`'s
-speed and time-breakdown charts (a run's own curves are drawn by acc_trainer/plots.py)."""
+speed and time-breakdown charts (a run's own curves are drawn by acc_trainer/outputs/plots.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..plots import STYLE, plt, read_metrics, save_figure, smooth
+from ..outputs.plots import STYLE, plt, read_metrics, save_figure, smooth
 
 COLOURS = {"acc_trainer": "tab:blue", "raw": "tab:gray", "raw-ddp": "tab:orange", "dp": "tab:green"}
 

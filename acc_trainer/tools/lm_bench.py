@@ -82,8 +82,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
 
 def tokens_per_sample(cfg: TrainConfig) -> int:
     """Every training sample's count of labelled next tokens; the bench needs blocks that all have the same."""
-    from ..components import build_data
-    from ..losses import count_next_tokens
+    from ..workload.components import build_data
+    from ..workload.losses import count_next_tokens
 
     train = build_data(cfg).train
     first = train[0] if hasattr(train, "__getitem__") else None
@@ -156,7 +156,7 @@ def hf_trainer(cfg: TrainConfig, steps: int, warmup: int, output_dir: str) -> di
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from ..components import build_data, build_model
+    from ..workload.components import build_data, build_model
 
     use_cpu = cfg.cpu or not torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -190,7 +190,7 @@ def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from ..components import build_data, build_model
+    from ..workload.components import build_data, build_model
 
     # cpu=True without a GPU, as Accelerate's CPU examples pass it: else processes started by `accelerate launch
     # --multi_gpu` on a CPU each train alone instead of forming a gloo group.
@@ -271,7 +271,7 @@ def markdown(rows: list[dict], cfg: TrainConfig, args, tokens: int, machine: str
 
 def main(argv: list[str]) -> None:
     args, cfg = parse(argv)
-    from ..progress import make_console
+    from ..outputs.progress import make_console
 
     console = make_console()
     tokens = tokens_per_sample(cfg)

@@ -15,9 +15,9 @@ from rich.table import Table
 
 from ..config import ConfigError
 from ..flags import Parser
-from ..metrics import best_evaluation, ranked_by
-from ..plots import read_metrics
-from ..progress import format_metric, make_console
+from ..outputs.plots import read_metrics
+from ..outputs.progress import format_metric, make_console
+from ..workload.metrics import best_evaluation, ranked_by
 from .figures import plot_comparison
 
 

@@ -100,7 +100,7 @@ def main(argv: list[str]) -> None:
     given = {key: getattr(args, key.replace("-", "_")) for key in ("trials", "storage", "study", "sweep-dir", "seed",
                                                                     "launcher")}
     space = read_space(Path(args.space), {k: v for k, v in given.items() if v is not None})
-    from ..progress import make_console
+    from ..outputs.progress import make_console
 
     sys.exit(sweep(space, make_console()))
 
@@ -228,7 +228,7 @@ def _grid_size(search: dict) -> int:
 
 
 def _direction(metric: str) -> str:
-    from ..metrics import improves  # the one definition of "better" (torch: imported only when needed)
+    from ..workload.metrics import improves  # the one definition of "better" (torch: imported only when needed)
 
     return "minimize" if improves(metric, 0.0, 1.0) else "maximize"
 
@@ -574,7 +574,7 @@ def plot_trials(trials: list, best: int | None, space: Space, path: Path) -> Pat
     from matplotlib.ticker import MaxNLocator
     from optuna.trial import TrialState
 
-    from ..plots import STYLE, plt, save_figure
+    from ..outputs.plots import STYLE, plt, save_figure
 
     with plt.rc_context(STYLE):
         fig, (curves, results) = plt.subplots(1, 2, figsize=(12, 4.2))

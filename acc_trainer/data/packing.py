@@ -1,0 +1,221 @@
+"""Packing: documents of tokens as blocks of one fixed length, each document kept apart (`--pack LENGTH`,
+`pack(dataset, length)`).
+
+A document is a 1-D integer tensor, array or list of token ids, or a dict with `input_ids` (and, optionally,
+`labels` and an `attention_mask`, whose zeros are padding and left out). The blocks are planned once from
+every document's length, the same way on every process: the documents are placed best-fit decreasing (each,
+longest first, into the block with the least room that holds it), so that a document is never cut and the
+blocks carry little padding; a document longer than a block is first cut into pieces of the block's length,
+each then a document of its own. The packed set is map-style, its blocks in the order of their first
+documents: samplers, `--resume`, evaluation and `evaluate` take it as any other.
+
+A block is a dict of three tensors of `length` tokens: `input_ids`; `position_ids`, restarting at 0 where each
+document (or piece) starts; `labels`, the document's labels (its tokens when it has none) with -100 at each
+document's first token, so that no token is trained to predict the next document's first (a causal language
+model's labels are shifted inside it), and on the padding at the block's end (token `pad_id`, its positions
+counting from 0 as a document of its own). There is no `attention_mask`: transformers' models then read the
+documents' boundaries from where the position ids restart and attend within each document only
+(transformers' masking_utils.find_packed_sequence_indices) - not every architecture does (OPT, Falcon, Bloom
+and MPT attend across), so `check_attention` proves it on the run's own model before training.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Mapping
+from numbers import Integral
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from ..config import ConfigError, first_line
+from ..workload import losses
+from .datasets import is_stream
+
+KEYS = ("input_ids", "labels", "attention_mask")  # what a document given as a dict may hold
+MISFITS = (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError, NotImplementedError)
+
+
+class Packed(Dataset):
+    """`documents` as blocks of `length` tokens (see the module's docstring)."""
+
+    def __init__(self, documents, length: int, name: str | None = None, pad_id: int = 0):
+        self.documents, self.length, self.pad_id = documents, length, pad_id
+        self.name = name or type(documents).__name__
+        sizes = [len(self._read(i)[0]) for i in range(len(documents))]
+        blocks = _plan(sizes, length)
+        # Flat tensors, not a list of tuples per block: a few bytes a document however many there are.
+        self._first = torch.tensor([0] + [len(b) for b in blocks]).cumsum(0)
+        self._pieces = torch.tensor([piece for block in blocks for piece in block], dtype=torch.long).reshape(-1, 3)
+        self.tokens = sum(sizes)  # the real tokens of every block together
+
+    def __len__(self) -> int:
+        return len(self._first) - 1
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"block {index} of {len(self)}")
+        index %= len(self)
+        ids = torch.full((self.length,), self.pad_id, dtype=torch.long)
+        labels = torch.full((self.length,), losses.IGNORE_INDEX, dtype=torch.long)
+        positions = torch.zeros(self.length, dtype=torch.long)
+        at = 0
+        for doc, start, stop in self._pieces[self._first[index]:self._first[index + 1]].tolist():
+            tokens, targets = self._read(doc)
+            n = stop - start
+            ids[at:at + n] = tokens[start:stop]
+            labels[at + 1:at + n] = targets[start + 1:stop]  # the first token is never a target
+            positions[at:at + n] = torch.arange(n)
+            at += n
+        positions[at:] = torch.arange(self.length - at)  # the padding: a document of its own, never trained
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+    def _read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Document `index` as (token ids, labels), 1-D; anything that is not a document is one line."""
+        sample = self.documents[index]
+        if isinstance(sample, Mapping) and "input_ids" in sample:
+            extra = [k for k in sample if k not in KEYS]
+            if extra:
+                raise ConfigError(f"--pack: the samples of {self.name} hold {', '.join(map(repr, extra))} beside "
+                                  f"input_ids; packing keeps {', '.join(KEYS)} only: drop the others (Hugging Face "
+                                  "datasets: remove_columns)" + (" (are they packed already?)" if "position_ids" in
+                                                                 extra else ""))
+            ids = _tokens(sample["input_ids"])
+            labels = _tokens(sample["labels"]) if sample.get("labels") is not None else ids
+            mask = _tokens(sample["attention_mask"]) if sample.get("attention_mask") is not None else None
+            if ids is not None and labels is not None and len(labels) == len(ids) and (mask is None or len(mask) == len(ids)):
+                keep = mask != 0 if mask is not None else slice(None)
+                return ids[keep], labels[keep]
+        else:
+            ids = _tokens(sample)
+            if ids is not None:
+                return ids, ids
+        raise ConfigError(f"--pack: sample {index} of {self.name} is {_describe(sample)}, not a document of tokens "
+                          "(packing without token inputs): give 1-D integer tensors or lists of token ids, or dicts "
+                          "of input_ids (with labels and an attention_mask of the same length, if any)")
+
+
+def _tokens(value) -> torch.Tensor | None:
+    """A 1-D integer sequence as a LongTensor, else None."""
+    if isinstance(value, (list, tuple)) and not all(isinstance(v, Integral) and not isinstance(v, bool) for v in value):
+        return None
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if tensor.dim() != 1 or tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        return None
+    return tensor.long()
+
+
+def _plan(sizes: list[int], length: int) -> list[list[tuple[int, int, int]]]:
+    """The blocks, each a list of pieces (document, start, stop): best-fit decreasing, a document longer
+    than `length` cut into pieces of `length` first. Deterministic: ties go by the documents' order."""
+    items = sorted(((min(length, size - start), doc, start) for doc, size in enumerate(sizes)
+                    for start in range(0, size, length)), key=lambda item: (-item[0], item[1], item[2]))
+    blocks: list[list[tuple[int, int, int]]] = []
+    rooms: list[int] = []  # the distinct rooms left in the open blocks, sorted (at most length of them)
+    by_room: dict[int, list[int]] = {}  # room -> the blocks with that much room
+    for size, doc, start in items:
+        i = bisect_left(rooms, size)
+        if i < len(rooms):  # the block with the least room that holds it
+            room = rooms[i]
+            block = by_room[room].pop()
+            if not by_room[room]:
+                del by_room[room], rooms[i]
+        else:
+            room, block = length, len(blocks)
+            blocks.append([])
+        blocks[block].append((doc, start, start + size))
+        room -= size
+        if room:
+            if room not in by_room:
+                insort(rooms, room)
+                by_room[room] = []
+            by_room[room].append(block)
+    for block in blocks:
+        block.sort()  # within a block, in the documents' order
+    return sorted(blocks)
+
+
+def pack(dataset, length: int, name: str | None = None, pad_id: int = 0) -> Packed:
+    """`dataset`'s documents as blocks of `length` tokens (a `Packed` dataset); what `--pack LENGTH` does to
+    the training and evaluation sets. A packed set given again is kept as it is (with the same length)."""
+    name = name or type(dataset).__name__
+    if isinstance(dataset, Packed):
+        if dataset.length != length:
+            raise ConfigError(f"--pack {length}: {name} is packed already, in blocks of {dataset.length}")
+        return dataset
+    if is_stream(dataset):
+        raise ConfigError(f"--pack: {name} is a stream ({type(dataset).__name__}); packing plans its blocks from every "
+                          "document's length, so it takes a map-style dataset (__getitem__ and __len__)")
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ConfigError(f"--pack: {name} is a {type(dataset).__name__}, not a map-style dataset of documents")
+    return Packed(dataset, length, name, pad_id)
+
+
+def pack_sets(train, eval_, length: int | None, name: str) -> tuple[Any, Any]:
+    """(train, eval) packed with `length` (evaluation the same way as training, so that its loss is the
+    token mean over the same kind of blocks); as they are when `length` is None."""
+    if length is None:
+        return train, eval_
+    return pack(train, length, name), pack(eval_, length, f"{name} (evaluation)") if eval_ is not None else None
+
+
+# ----------------------------------------------------------------------- attention within each document
+
+
+def check_attention(model, collate: Callable | None, forward: Callable | None, dataset, model_name: str) -> None:
+    """For a packed set, proves on the model itself, through the run's collate and forward functions, that a
+    document's outputs do not depend on the document before it in its block (raises ConfigError, one line,
+    when they do, or when the model takes no position_ids); nothing for another set. Two forward passes in
+    evaluation mode, on the first tokens of the first block cut into two documents, the first of them changed
+    in the second pass: with attention within each document the second document's logits are the same to the
+    last bit (the other document's attention weights are exact zeros), else they move."""
+    if not isinstance(dataset, Packed):
+        return
+    tokens = dataset[0]["input_ids"][:min(dataset.length, 32)]
+    half = len(tokens) // 2
+    first, second = tokens[:half], tokens[half:]
+    other = next((c for c in (second[:half], first.flip(0), first.roll(1), torch.full_like(first, dataset.pad_id))
+                  if len(c) == half and not torch.equal(c, first)), None)
+    if half < 1 or other is None:
+        return  # too few tokens, or all the same token: nothing to tell the documents apart by
+    positions = torch.cat([torch.arange(half), torch.arange(len(second))])
+    labels = tokens.clone()
+    labels[[0, half]] = losses.IGNORE_INDEX
+    logits = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for before in (first, other):
+                block = {"input_ids": torch.cat([before, second]), "labels": labels, "position_ids": positions}
+                outputs, _ = (forward or losses.forward)(model, (collate or default_collate)([block]))
+                logits.append(losses.predictions(outputs)[0, half:].float())
+    except MISFITS as e:
+        what = "does not take position_ids" if "position_ids" in str(e) else "does not take packed blocks"
+        raise ConfigError(f"--pack: model {model_name} {what} ({type(e).__name__}: {first_line(e)}), so packed "
+                          "documents cannot be kept apart; see docs/language-models.md#packing") from None
+    finally:
+        model.train(was_training)
+    moved = float((logits[0] - logits[1]).abs().max())
+    if not moved <= 1e-6 * max(1.0, float(logits[0].abs().max())):
+        through = f" through the collate function {getattr(collate, '__name__', repr(collate))}" if collate else ""
+        raise ConfigError(f"--pack: model {model_name} lets packed documents attend to each other{through} (a "
+                          f"document's logits move by {moved:.2g} when the one before it in the block changes); "
+                          "packing needs a model that starts a document where position_ids restart (transformers' "
+                          "Llama, Mistral, Qwen, Gemma, Phi, GPT-2, GPT-NeoX, ...; not OPT, Falcon, Bloom or MPT) and "
+                          "batches without an attention_mask: see docs/language-models.md#packing")
+
+
+def _describe(obj) -> str:
+    """What a sample is, for the one line that refuses it: `a tuple (tensor [3, 32, 32] float32, int)`."""
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor {list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    if isinstance(obj, Mapping):
+        return "a dict {" + ", ".join(f"{k}: {_describe(v).removeprefix('a ')}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (tuple, list)) and len(obj) <= 4:
+        return f"a {type(obj).__name__} (" + ", ".join(_describe(v).removeprefix("a ") for v in obj) + ")"
+    return f"a {type(obj).__name__}" + (f" of {len(obj)} items" if isinstance(obj, (tuple, list)) else "")

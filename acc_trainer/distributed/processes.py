@@ -1,0 +1,177 @@
+"""What the processes of a run must agree on, and the process group they form.
+
+Every process calls each function here; none of them decides alone. `start` forms the group
+(Accelerate's PartialState); the checks compare what every process built (the same datasets, the
+same initial and final weights) so that a seeding mistake is found, named and, where it can be,
+mended, instead of silently training different models.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+from accelerate import Accelerator, InitProcessGroupKwargs, PartialState
+from accelerate.utils import DistributedType, broadcast, broadcast_object_list
+
+from .. import patches
+from ..config import ConfigError, TrainConfig
+from ..data.datasets import Data
+from ..workload.measure import fingerprint
+from . import engines
+
+
+@dataclass
+class Group:
+    """The processes of a run: Accelerate's PartialState, the engine the accelerate config selects (DDP, FSDP or
+    DEEPSPEED), whether they run on the CPU, and the timeout of their collectives."""
+
+    state: PartialState
+    engine: str
+    cpu: bool
+    timeout: InitProcessGroupKwargs
+
+
+def start(cfg: TrainConfig) -> Group:
+    """The process group (Accelerate's PartialState, a singleton: calling this again returns the same),
+    the engine the accelerate config selects, and whether to run on the CPU."""
+    # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
+    # form one gloo group (MULTI_CPU) instead of running as independent copies.
+    cpu = cfg.cpu or not torch.cuda.is_available()
+    engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
+    patches.apply_to_process()  # Accelerate's per-step lookups once, and no DeepSpeed import (docs/performance.md)
+    if engine == "DEEPSPEED":
+        engines.check_deepspeed(cfg)
+        cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
+    state = PartialState(cpu=cpu, **timeout.to_kwargs())
+    warn_if_restarts_share_a_store(state)
+    return Group(state, engine, cpu, timeout)
+
+
+def warn_if_restarts_share_a_store(state: PartialState) -> None:
+    """torch elastic (torchrun, accelerate launch) restarting failed processes (--max-restarts) hands every attempt
+    the one store its agent keeps (torch 2.14's c10d rendezvous, and the static one). The keys by which
+    the processes find each other's addresses stay there, and a restarted process that reads them before its peer
+    rewrites them connects to the dead attempt: it fails, or waits up to --dist-timeout (pytorch/pytorch#135712;
+    #167302 proposes a fix). Only the launcher's environment changes that, so it is said at start
+    (docs/checkpoints.md)."""
+    if (state.is_main_process and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        print("acc-trainer: warning: with --max-restarts the launcher keeps one store for every attempt, where a "
+              "restarted attempt can read the dead one's addresses and fail or hang at start; launch with "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous (--rdzv-backend c10d, or --standalone): "
+              "docs/checkpoints.md", file=sys.stderr)
+
+
+def warn_if_one_process_was_meant(state: PartialState) -> None:
+    """Without a GPU, `accelerate launch --num_processes 2` (no --multi_gpu) starts ONE process through
+    Accelerate's simple launcher, which still exports MASTER_ADDR but no WORLD_SIZE: say so."""
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ and "MASTER_ADDR" in os.environ
+    if state.num_processes == 1 and launched and "WORLD_SIZE" not in os.environ:
+        print("acc-trainer: warning: accelerate launch started ONE process (without --multi_gpu it starts several "
+              "only on GPUs); for N: accelerate launch --multi_gpu --num_processes N -m acc_trainer ..., or "
+              "--config_file accelerate_configs/cpu_ddp.yaml", file=sys.stderr)
+
+
+def check_topology(cfg: TrainConfig, state: PartialState) -> None:
+    world = state.num_processes
+    if cfg.batch_size % (world * cfg.grad_accum):
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} does not split into {world} processes x {cfg.grad_accum} "
+            f"accumulation micro-batches; use a multiple of {world * cfg.grad_accum}"
+        )
+
+
+def check_same_data(accelerator: Accelerator, data: Data) -> None:
+    """Every process must hold the same datasets: with different lengths their shuffles and epochs
+    would differ (and one process could wait for the others for ever at an epoch's end)."""
+    if accelerator.num_processes == 1:
+        return
+    from ..data.datasets import is_stream
+    from ..data.streams import fingerprint, first
+
+    if is_stream(data.train) or is_stream(data.eval):  # the first samples' fingerprint: a stream split by process differs
+        rows = [fingerprint(first(d, 4, heads=data.heads)) if is_stream(d) else
+                [float(len(d)), 0.0] if d is not None else [-1.0, 0.0]
+                for d in (data.train, data.eval)]
+        everywhere = accelerator.gather(torch.tensor([sum(rows, [])], dtype=torch.float64,
+                                                     device=accelerator.device)).tolist()
+        if any(row != everywhere[0] for row in everywhere):
+            raise ConfigError("the datasets differ between processes (their first samples differ): every process must "
+                              "build the same data; acc_trainer gives each process its share of a stream, so do not "
+                              "split it by process (datasets' split_dataset_by_node, or by rank in __iter__)")
+        return
+    sizes = [len(data.train), len(data.eval) if data.eval is not None else -1]
+    everywhere = accelerator.gather(torch.tensor([sizes], device=accelerator.device)).tolist()
+    if any(row != everywhere[0] for row in everywhere):
+        shown = "; ".join(f"process {i}: {t} training, {max(e, 0)} evaluation samples" for i, (t, e) in enumerate(everywhere))
+        raise ConfigError(f"the datasets differ between processes ({shown}); every process must build the same data")
+
+
+def same_initial_weights(accelerator: Accelerator, model) -> list[str]:
+    """A model built outside the trainer (fit(), or a factory drawing from another generator) may start
+    from different weights on each process: all then start from process 0's, as DDP would make them
+    (FSDP would not). Returns the note to print."""
+    if accelerator.num_processes == 1 or _ranks_equal(accelerator, model):
+        return []
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.copy_(broadcast(tensor.detach().to(accelerator.device), from_process=0))
+    return ["note: the model's initial weights differed between processes (build it after seeding, e.g. "
+            "accelerate.utils.set_seed); every process starts from process 0's"]
+
+
+def ranks_agree(accelerator: Accelerator, model) -> dict:
+    """Whether every process holds the same weights, measured: `agree` is True or False when they were
+    compared (each process's fingerprint of its whole model, gathered), None with the reason when there
+    is nothing to compare (one process; FSDP and ZeRO-3 keep each weight once, sharded)."""
+    world, kind = accelerator.num_processes, accelerator.distributed_type
+    reason = None
+    if world == 1:
+        reason = "one process"
+    elif kind == DistributedType.FSDP:
+        reason = "FSDP keeps each weight once, sharded over the processes: there are no copies to compare"
+    elif kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        reason = "DeepSpeed ZeRO-3 keeps each weight once, sharded over the processes: there are no copies to compare"
+    if reason:
+        return {"agree": None, "detail": f"not checked: {reason}"}
+    # DDP and ZeRO-1/2 keep a whole copy on every process (unwrap_model gives DeepSpeed's module too).
+    prints = accelerator.gather(fingerprint(accelerator.unwrap_model(model, keep_torch_compile=False))
+                                .to(accelerator.device)[None])
+    differ = [i for i in range(world) if not torch.equal(prints[i], prints[0])]
+    if differ:
+        return {"agree": False, "detail": f"the weights of process(es) {', '.join(map(str, differ))} differ from "
+                                          "process 0's"}
+    return {"agree": True, "detail": f"the same weights on {world} processes (every parameter's sum and sum of "
+                                     "squares, compared exactly)"}
+
+
+def _ranks_equal(accelerator: Accelerator, model) -> bool:
+    prints = accelerator.gather(fingerprint(model).to(accelerator.device)[None])
+    return bool((prints == prints[0]).all())
+
+
+def summing(accelerator: Accelerator) -> Callable[[list], list] | None:
+    """`agree(numbers) -> their sums over every process` for a stream's loader (None on one process)."""
+    if accelerator.num_processes == 1:
+        return None
+    return lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist()
+
+
+def main_decides(check: Callable[[], None]) -> None:
+    """Runs `check` on the main process alone (a lock, a look at the disk); its ConfigError, if any, is
+    raised on every process, so that all stop together."""
+    error = [None]
+    if PartialState().is_main_process:
+        try:
+            check()
+        except ConfigError as e:
+            error = [str(e)]
+    broadcast_object_list(error)
+    if error[0]:
+        raise ConfigError(error[0])

@@ -1,0 +1,170 @@
+"""LoRA adapters (through peft, an optional extra) and what a run whose model is partly frozen keeps.
+
+`--lora R` wraps the model, after its starting weights are in place (its factory's, `--init-from`'s), in
+peft's LoRA layers of rank R: only the adapters train. The run folder then holds the adapter in peft's own
+format (`adapter_config.json`, `adapter_model.safetensors`: `PeftModel.from_pretrained(base, run_dir)`), and
+with `--lora-merge` the merged model in `merged/` (`from_pretrained` for a transformers model).
+
+A checkpoint of a model with frozen parameters (LoRA, `--freeze`) holds the parameters that train, every
+buffer, the optimizer and the run's state, not the frozen weights: on resume they are built again the way
+the run built them (the model's factory under the run's seed, `--init-from` read again, the LoRA layers
+added), and a digest of them taken at the start of the run, kept in the checkpoint, proves they are the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections import OrderedDict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, TrainConfig, first_line
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# peft's task types by the transformers class's name: a sequence classifier's new head then trains beside the adapters.
+TASKS = (("ForCausalLM", "CAUSAL_LM"), ("ForSequenceClassification", "SEQ_CLS"), ("ForTokenClassification", "TOKEN_CLS"),
+         ("ForSeq2SeqLM", "SEQ_2_SEQ_LM"))
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "save_pretrained")
+
+
+def apply_lora(cfg: TrainConfig, model):
+    """The model wrapped in LoRA layers of rank --lora (peft's get_peft_model, which freezes the rest)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError('--lora needs peft: pip install peft (or pip install -e ".[peft]")') from None
+    if is_peft(model) or any(hasattr(m, "lora_A") for m in model.modules()):
+        raise ConfigError(f"--lora: {type(model).__name__} already has LoRA layers (peft wraps the model it is given in "
+                          "place): build the model afresh for each run")
+    transformers_model = hasattr(model, "config") and hasattr(model, "save_pretrained")
+    if cfg.lora_targets is None and not transformers_model:
+        raise ConfigError(f"--lora on {type(model).__name__}: name the layers to adapt with --lora-targets (its layers: "
+                          f"{_layer_names(model)})")
+    targets = cfg.lora_targets or "all-linear"  # every linear layer but the output one (peft's all-linear)
+    task = next((t for suffix, t in TASKS if type(model).__name__.endswith(suffix)), None)
+    config = LoraConfig(r=cfg.lora, lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora,
+                        lora_dropout=cfg.lora_dropout, target_modules=targets, task_type=task)
+    try:
+        with _old_names_quiet():
+            return get_peft_model(model, config)
+    except ValueError as e:
+        if "not found in the base model" in str(e) or "No modules were targeted" in str(e):
+            raise ConfigError(f"--lora-targets {','.join(cfg.lora_targets or [targets])}: no such layer in "
+                              f"{type(model).__name__} (its layers: {_layer_names(model)})") from None
+        raise ConfigError(f"--lora: {first_line(e)}") from None
+
+
+@contextmanager
+def _old_names_quiet():
+    """peft 0.21 asks transformers 5 by its old name whether checkpointing is on, which warns on every wrap."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        yield
+
+
+def _layer_names(model, limit: int = 12) -> str:
+    """The names peft matches --lora-targets against (the last part of a layer's name), of layers it can adapt."""
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+    names = []
+    for name, module in model.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if name and (isinstance(module, kinds) or type(module).__name__ == "Conv1D") and short not in names:
+            names.append(short)
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "") or "none"
+
+
+def parameter_counts(model, frozen_for_now: list | None = None) -> dict:
+    """How many parameters train now and how many there are (a tied weight counted once)."""
+    paused = {id(p) for p in frozen_for_now or []}
+    params = list(model.parameters())  # each Parameter once, tied ones too
+    trainable = sum(p.numel() for p in params if p.requires_grad and id(p) not in paused)
+    return {"trainable": trainable, "total": sum(p.numel() for p in params)}
+
+
+def frozen_digest(model) -> dict | None:
+    """sha256 of the frozen parameters (name, shape, bytes, in the model's order), and their count; None when
+    everything trains."""
+    digest, count = hashlib.sha256(), 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            continue
+        tensor = p.detach().cpu().contiguous()
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        count += 1
+    return {"parameters": count, "sha256": digest.hexdigest()} if count else None
+
+
+def without_frozen(model, state: dict) -> dict:
+    """`state` (the model's state dict) less the frozen parameters (tied names included): what a checkpoint keeps.
+    An OrderedDict, as a state dict is: Accelerate then writes a tensor shared by two names (tied weights) once."""
+    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+    return OrderedDict((k, v) for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.data_ptr() in frozen))
+
+
+def check_frozen(resume: Path, saved: dict | None, model) -> None:
+    """The frozen weights built again for a resumed run are the ones the checkpoint's run trained beside."""
+    here = frozen_digest(model)
+    if saved != here:
+        raise ConfigError(f"checkpoint {resume} holds only the parameters that train, and the frozen ones built again "
+                          "differ from the ones it was trained with (" + (
+                              f"digest {here['sha256'][:12]}..., the checkpoint's {saved['sha256'][:12]}..." if here and saved
+                              else "other parameters are frozen") + "): the model's factory, its seed and --init-from must "
+                          "give the same weights as when the run started")
+
+
+def check_holds_trainable(resume: Path, model) -> None:
+    """A checkpoint without every parameter that trains (an adapter lost on the way) is refused, naming one."""
+    from safetensors import safe_open
+
+    file = resume / "model.safetensors"
+    if not file.is_file():
+        raise ConfigError(f"checkpoint {resume} holds only the parameters that train, and no model.safetensors to check "
+                          "them in")
+    with safe_open(str(file), "pt") as f:
+        held = set(f.keys())
+    wanted, storages = without_frozen(model, model.state_dict()), {}
+    for name, tensor in wanted.items():  # tied weights: the file holds one of the names that share a tensor
+        storages.setdefault(tensor.data_ptr(), []).append(name)
+    wanted = [names[0] for names in storages.values() if not any(n in held for n in names)]
+    if wanted:
+        raise ConfigError(f"checkpoint {resume} lacks {len(wanted)} of the tensors that train (e.g. {wanted[0]})")
+
+
+def save_adapter(model, folder: Path) -> list[str]:
+    """A peft model's adapter in peft's format (`PeftModel.from_pretrained(base, folder)`); the names written."""
+    model.save_pretrained(str(folder))
+    (folder / "README.md").unlink(missing_ok=True)  # peft's model-card template: nothing of this run in it
+    return [name for name in ADAPTER_FILES if (folder / name).exists()]
+
+
+def save_merged(model, folder: Path) -> None:
+    """--lora-merge: the adapters folded into a copy of the weights, saved as the base model saves itself
+    (`from_pretrained` for a transformers model, else model.safetensors). The trained model is left as it is."""
+    import copy
+
+    from safetensors.torch import save_model
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    folder.mkdir(parents=True, exist_ok=True)
+    if hasattr(merged, "save_pretrained") and hasattr(getattr(merged, "config", None), "save_pretrained"):
+        merged.save_pretrained(str(folder))
+    else:
+        save_model(merged, str(folder / "model.safetensors"))
+
+
+def load_adapter(base, folder: Path):
+    """A LoRA run's adapter (`folder`: a run folder or checkpoint) on `base`, the model built as the run built it."""
+    from peft import PeftModel
+
+    try:
+        with _old_names_quiet():
+            return PeftModel.from_pretrained(base, str(folder))
+    except Exception as e:  # noqa: BLE001 - an adapter that does not fit the model given is the user's input
+        raise ConfigError(f"the adapter in {folder} does not load into {type(base).__name__}: {first_line(e)}") from None

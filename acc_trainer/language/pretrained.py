@@ -1,0 +1,89 @@
+"""A Hugging Face transformers model's own files beside its weights: what `from_pretrained` needs.
+
+A run folder, and each checkpoint, holds the weights as `model.safetensors` under the model's own names.
+For a transformers model (a `PreTrainedModel`) the main process adds `config.json` and, for a model that
+generates, `generation_config.json`: `AutoModelForCausalLM.from_pretrained(run_dir)` (or the model's own
+class) then builds the trained model, ties its tied weights again (the safetensors file holds a tied
+tensor once) and gives the same outputs. transformers is not imported: the model brought it.
+
+The run's tokenizer, when it has one (`--tokenizer`, `fit(tokenizer=)`, loaded by `load_tokenizer`), is saved
+beside them with its own `save_pretrained` (`tokenizer_files`): `AutoTokenizer.from_pretrained(run_dir)` works.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+from ..config import IMPORT_PATH, ConfigError, first_line
+from .adapters import is_peft, save_adapter
+
+
+def config_files(module, folder: Path, whole: bool = True) -> list[str]:
+    """Writes a transformers model's config (and generation config) into `folder`, or a peft model's adapter in
+    peft's format; the names written. `whole`: the folder's weights are all the model's (a checkpoint of a model
+    with frozen parameters holds only those that train: no config.json then, which would load it half random)."""
+    if is_peft(module):
+        return save_adapter(module, folder)
+    config = getattr(module, "config", None)
+    if not whole or not hasattr(module, "save_pretrained") or not hasattr(config, "save_pretrained"):
+        return []
+    config = copy.deepcopy(config)  # the user's model keeps its own
+    # Which class to build, as save_pretrained records it (FSDP2 renames the class: FSDPGPT2LMHeadModel).
+    config.architectures = [next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))]
+    written = []
+    try:
+        config.save_pretrained(folder)
+        written.append("config.json")
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and module.can_generate():
+            generation.save_pretrained(folder)
+            written.append("generation_config.json")
+    except (ValueError, TypeError) as e:  # transformers refuses a config it finds invalid: the weights still count
+        for name in ("config.json", "generation_config.json"):
+            (folder / name).unlink(missing_ok=True)
+        print(f"acc-trainer: warning: {type(module).__name__}'s config was not written beside its weights in {folder} "
+              f"(transformers: {str(e).splitlines()[0] if str(e) else type(e).__name__}); the weights were",
+              file=sys.stderr)
+        return []
+    return written
+
+
+def load_tokenizer(spec: str, what: str = "--tokenizer"):
+    """The tokenizer `spec` names: a folder saved with `save_pretrained` (AutoTokenizer), a tokenizers library's
+    tokenizer.json (PreTrainedTokenizerFast), or `pkg.module:factory` returning one; one line when it does not load.
+    Never a download: a Hub tokenizer comes through a factory of one's own."""
+    from ..workload.components import call_factory, import_object
+
+    path = Path(spec)
+    if IMPORT_PATH.match(spec) and not path.exists():
+        tokenizer = call_factory(import_object(spec, what), {}, {}, f"{what} {spec}")
+    elif not path.exists():
+        raise ConfigError(f"{what} {spec}: no such folder or file (give a folder saved with save_pretrained, a "
+                          "tokenizer.json, or an import path pkg.module:factory)")
+    elif path.is_dir() and not any((path / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
+        raise ConfigError(f"{what} {spec}: the folder holds no tokenizer (no tokenizer_config.json or tokenizer.json, "
+                          "which save_pretrained writes)")
+    else:
+        try:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path)) if path.is_file() else \
+                AutoTokenizer.from_pretrained(str(path))
+        except ImportError as e:
+            raise ConfigError(f"{what} needs transformers (pip install transformers): {first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 - a file or folder that is not a tokenizer is the user's input
+            raise ConfigError(f"{what} {spec} does not load as a tokenizer: {type(e).__name__}: {first_line(e)}") from None
+    if not (callable(tokenizer) and hasattr(tokenizer, "decode") and hasattr(tokenizer, "save_pretrained")):
+        raise ConfigError(f"{what} {spec} is a {type(tokenizer).__name__}, not a transformers tokenizer (callable, with "
+                          "decode and save_pretrained)")
+    return tokenizer
+
+
+def tokenizer_files(tokenizer, folder: Path) -> list[str]:
+    """Writes the run's tokenizer (None: there is none) into `folder` with its own `save_pretrained`: the folder
+    then loads with `AutoTokenizer.from_pretrained` too. The names written."""
+    if tokenizer is None:
+        return []
+    return sorted(Path(p).name for p in tokenizer.save_pretrained(str(folder)) if Path(p).is_file())

@@ -1,0 +1,420 @@
+"""Checkpoints: full training state through `accelerator.save_state`, written so that a checkpoint
+that looks complete is complete, and read back only after checking it belongs to this run.
+
+A checkpoint is a folder `<output-dir>/checkpoints/step-<N>` holding what `save_state` writes (model,
+optimizer, scheduler, grad scaler, every process's RNG states) plus `trainer_state.json` (step,
+loss accumulators, evaluations so far, the options that define the run). It is written under a
+temporary name and renamed once every process has finished writing; a process killed mid-write
+leaves only a `.tmp-` folder, which is never picked up and is cleared by the next save. Before the rename
+the main process writes `SHA256SUMS` (the format `sha256sum -c` reads) with a digest of every file; a
+checkpoint is verified against it before it is resumed, so bytes damaged at rest (a disk, a copy) are
+found, named, and under `--resume auto` skipped for the newest checkpoint that verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ..config import ConfigError, TrainConfig, first_line
+
+STATE_FILE = "trainer_state.json"
+SUMS = "SHA256SUMS"
+BEST = "best"
+NAME = re.compile(r"^step-(\d+)$")
+# Options that may change between an interrupted run and its resumption: they do not change what is
+# computed. Every other option must match the checkpoint's.
+MAY_CHANGE = {"output_dir", "resume", "data_dir", "num_workers", "data_pipeline", "log_with", "project", "progress", "plots",
+              "dist_timeout", "hang_timeout",
+              "eval_batch_size", "checkpoint_every", "keep_last", "lora_merge",
+              "tokenizer", "prompts", "max_new_tokens"}
+
+
+class Checkpoints:
+    """The checkpoints of one run; every process writes through `writing` (each writes its own RNG state)."""
+
+    def __init__(self, accelerator: Accelerator, folder: Path, keep_last: int | None):
+        self.accelerator, self.folder, self.keep_last = accelerator, folder, keep_last
+        self.last: Path | None = None
+
+    @contextmanager
+    def writing(self, state: dict, name: str | None = None):
+        """`with checkpoints.writing(state) as folder: accelerator.save_state(folder)`: every process
+        writes its part into a temporary folder, the main process adds `state` (trainer_state.json), and
+        the folder takes its final name only once every process has written. A write that fails on any
+        process stops every process, naming the reason and the last complete checkpoint."""
+        name = name or f"step-{state['step']:08d}"
+        final, tmp = self.folder / name, self.folder / f".tmp-{name}"
+        main = self.accelerator.is_main_process
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        self.accelerator.wait_for_everyone()
+        error = None
+        try:
+            yield tmp
+            if main:
+                (tmp / STATE_FILE).write_text(json.dumps(state))
+        except WRITE_ERRORS as e:
+            error = e
+        failed = self.accelerator.gather(torch.tensor([error is not None], device=self.accelerator.device))
+        if failed.any():  # every process stops, for the same reason
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kept = f"the last complete checkpoint is {self.last}" if self.last else "no complete checkpoint was written"
+            from ..stopping import TrainingStopped
+
+            raise TrainingStopped(f"writing checkpoint {final} failed: {write_failure(error, tmp)}; {kept}", code=1)
+        self.accelerator.wait_for_everyone()  # every process's files are in place
+        if main:
+            write_sums(tmp)
+            if final.exists():
+                old = self.folder / f".old-{name}"
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(final)
+            self._prune()
+        self.accelerator.wait_for_everyone()
+        if name != BEST:
+            self.last = final
+
+    def _prune(self) -> None:
+        if self.keep_last:
+            for old in complete_checkpoints(self.folder)[: -self.keep_last]:
+                shutil.rmtree(old)
+
+
+# torch's zip writer reports a failed write as RuntimeError, safetensors as its own SafetensorError.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def write_failure(error: BaseException | None, where: Path) -> str:
+    """Why a write failed, in the operating system's words where it gave them (torch's zip writer does
+    not: then the disk and the file size limit are looked at)."""
+    import errno
+    import os
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if isinstance(error, OSError) and error.errno and error.errno != errno.EFBIG:
+        return os.strerror(error.errno)
+    if limit != resource.RLIM_INFINITY:
+        return f"File too large (the file size limit, ulimit -f, is {limit:,} bytes)"
+    try:
+        stats = os.statvfs(where if where.exists() else where.parent)
+        if stats.f_bavail * stats.f_frsize < 64 << 20:
+            return "No space left on device"
+    except OSError:
+        pass
+    return first_line(error) if error else "another process could not write its part"
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Complete step checkpoints in `folder`, oldest first (temporary folders are never complete)."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def find_resume(cfg: TrainConfig, out: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint `--resume` names, verified against its checksums, and notes to print. `auto` is the newest
+    complete checkpoint in the run's folder that verifies (the damaged ones after it are skipped, saying why),
+    or none: the run starts from its beginning, so the same command serves a first attempt and every restart,
+    unless the folder holds a finished run with nothing to continue from. The main process reads the files;
+    every process gets its answer."""
+    if cfg.resume is None:
+        return None, []
+    answer = [None]
+    if PartialState().is_main_process:
+        try:
+            answer = [_chosen(cfg, out)]
+        except ConfigError as e:
+            answer = [str(e)]
+    broadcast_object_list(answer)
+    if isinstance(answer[0], str):
+        raise ConfigError(answer[0])
+    path, notes = answer[0]
+    return (Path(path) if path else None), notes
+
+
+def _chosen(cfg: TrainConfig, out: Path) -> tuple[str | None, list[str]]:
+    if cfg.resume != "auto":
+        path = Path(cfg.resume)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {path}: no such checkpoint folder")
+        problem = damage(path)
+        if problem:
+            raise ConfigError(f"checkpoint {path} is {problem}; resume from another one (--resume auto takes the "
+                              "newest that verifies)")
+        return str(path), []
+    found, notes = complete_checkpoints(out / "checkpoints"), []
+    for path in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            return str(path), notes
+        notes.append(f"--resume auto: skipped checkpoint {path}: {problem}")
+    if found:
+        raise ConfigError(f"--resume auto: no checkpoint in {out / 'checkpoints'} verifies ({'; '.join(notes)})")
+    if (out / "summary.json").exists():
+        raise ConfigError(f"--resume auto: {out} holds a finished run and no checkpoint to continue it from; "
+                          "choose a new --output-dir")
+    return None, []
+
+
+def write_sums(folder: Path, names: list[str] | None = None) -> None:
+    """`folder/SHA256SUMS`: the digest of every file in it (or of `names`), as `sha256sum` writes them."""
+    paths = [folder / n for n in names] if names is not None else \
+        sorted(p for p in folder.rglob("*") if p.is_file() and p.name != SUMS)
+    text = "".join(f"{_sha256(p)}  {p.relative_to(folder).as_posix()}\n" for p in paths)
+    (folder / f".{SUMS}.tmp").write_text(text)
+    os.replace(folder / f".{SUMS}.tmp", folder / SUMS)
+
+
+def damage(folder: Path, only: str | None = None) -> str | None:
+    """What is wrong with the files `folder/SHA256SUMS` lists (all, or the one named `only`): None when each
+    matches its digest, or when no digests were written (a checkpoint from before they were)."""
+    sums = folder / SUMS
+    if not sums.is_file():
+        return None
+    for line in sums.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if only is not None and name != only:
+            continue
+        path = folder / name
+        if not path.is_file():
+            return f"incomplete: {name} missing"
+        if _sha256(path) != digest:
+            return f"damaged: {name} does not match the digest written with it ({sums})"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
+    """The checkpoint's trainer state, after checking it is whole and belongs to this run."""
+    state_file = path / STATE_FILE
+    try:
+        state = json.loads(state_file.read_text())
+        saved = state["config"]
+        step = int(state["step"])
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"checkpoint {state_file} is corrupt ({type(e).__name__}: {e})") from None
+    defaults = TrainConfig().to_dict()  # a checkpoint written before an option existed had its default
+    mismatches = [
+        f"{key} {saved.get(key, defaults[key])!r} (this run: {value!r})"
+        for key, value in cfg.to_dict().items()
+        if key not in MAY_CHANGE and saved.get(key, defaults[key]) != value
+    ]
+    if mismatches:
+        raise ConfigError(f"checkpoint {path} is from a different run: {'; '.join(mismatches)}")
+    if state.get("engine", "DDP") != engine:
+        raise ConfigError(f"checkpoint {path} was written under {state.get('engine', 'DDP')}; resume it with the same "
+                          f"accelerate config (this run: {engine})")
+    if state["world_size"] != world and engine != "DDP":
+        # FSDP's and DeepSpeed's files are each process's shard of the weights and optimizer state.
+        raise ConfigError(f"checkpoint {path} was written by {state['world_size']} processes under {engine}, whose "
+                          f"files are each process's shard; resume it with {state['world_size']}, not {world}")
+    names = {p.name for p in path.iterdir()}
+    required = ["scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(min(world, state["world_size"]))]
+    if engine == "DDP":
+        required += ["model.safetensors", "optimizer.bin"]
+    missing = [name for name in required if name not in names]
+    # FSDP and DeepSpeed name their files after the state-dict type; their loaders check the rest.
+    if engine != "DDP" and not any(name.startswith("pytorch_model") for name in names):
+        missing.append("the model's pytorch_model* files")
+    if engine == "FSDP" and not any(name.startswith("optimizer") for name in names):
+        missing.append("the optimizer's optimizer* files")
+    if missing:
+        raise ConfigError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing")
+    state["step"] = step
+    return state
+
+
+def parameter_shapes(model) -> dict[str, list[int]]:
+    """Every parameter's name and shape: what makes a checkpoint's weights fit a model."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def check_model(path: Path, state: dict, model) -> None:
+    """A checkpoint of another model is refused, whatever the options say (fit() and import paths name
+    a model by its class; its parameters are what must match)."""
+    saved = state.get("parameters")
+    if saved is None:  # written before checkpoints recorded them
+        return
+    here = parameter_shapes(model)
+    if saved == here:
+        return
+    differ = [f"{n} {saved[n]} in the checkpoint, {here[n]} here" for n in saved if n in here and saved[n] != here[n]]
+    only_saved, only_here = [n for n in saved if n not in here], [n for n in here if n not in saved]
+    detail = differ[:2]
+    if only_saved:
+        detail.append(f"{len(only_saved)} parameter(s) only in the checkpoint (e.g. {only_saved[0]})")
+    if only_here:
+        detail.append(f"{len(only_here)} parameter(s) only in this model (e.g. {only_here[0]})")
+    raise ConfigError(f"checkpoint {path} holds a different model: {'; '.join(detail)}")
+
+
+@contextmanager
+def reading(path: Path):
+    """Around `accelerator.load_state(path)`: a damaged file is the user's problem, reported naming it
+    (safetensors, pickle and torch each raise their own types for a bad file)."""
+    try:
+        with warnings.catch_warnings():
+            # torch warns that Accelerate's own files use pickle protocol 4: nothing the user can act on.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            yield
+    except Exception as e:
+        raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first_line(e)})") from None
+
+
+def elastic_note(saved_world: int, world: int) -> list[str]:
+    """What a checkpoint continued on another number of processes keeps, said once."""
+    if saved_world == world:
+        return []
+    return [f"note: the checkpoint was written by {saved_world} process(es) and continues on {world}: the same samples "
+            "make each step (--batch-size is global), and each process continues the random numbers of the process of "
+            f"its index{', a new one those of process 0' if world > saved_world else ''} (dropout then draws other "
+            "masks than an uninterrupted run)"]
+
+
+def check_random_states(accelerator: Accelerator, path: Path, saved_world: int | None = None) -> None:
+    """After `load_state`: every process's random number generators are the checkpoint's, or every
+    process stops with one line. A process the checkpoint has no state for (it was written by fewer
+    processes) takes process 0's, as every process starts from the same seed in a new run."""
+    rank = accelerator.process_index
+    if saved_world is not None and rank >= saved_world:
+        _restore_random_states(path / "random_states_0.pkl")
+        rank = 0
+    problem = _rng_not_restored(path, rank)
+    failed = accelerator.gather(torch.tensor([problem is not None], device=accelerator.device)).tolist()
+    if any(failed):  # every process raises: the same decision everywhere
+        ranks = ", ".join(str(i) for i, bad in enumerate(failed) if bad)
+        raise ConfigError(f"checkpoint {path}: the random number generator states of process {ranks} cannot be "
+                          f"restored ({problem or 'see that process'}); resuming would not continue the same run")
+
+
+def _restore_random_states(file: Path) -> None:
+    """Sets the generators (CPU, and CUDA where there is one) from an Accelerate random-states file (weights-only
+    unpickling): Accelerate's load_state reads only the file of the process's own index."""
+    from accelerate.utils import load as load_weights_only
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            states = load_weights_only(file)
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    except Exception:  # noqa: BLE001 - reported by _rng_not_restored, which reads the same file
+        pass
+
+
+def _rng_not_restored(path: Path, rank: int) -> str | None:
+    """Accelerate (1.15) catches every error while restoring random_states_<rank>.pkl and logs it at INFO
+    level, so a run would quietly resume with other randomness. The file is read again the same way
+    (weights-only unpickling: a file carrying code is refused, never run) and compared with the
+    generators as they are now."""
+    from accelerate.utils import load as load_weights_only
+
+    file = path / f"random_states_{rank}.pkl"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            states = load_weights_only(file)
+        restored = (torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
+                    and random.getstate() == states["random_state"]
+                    and all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states["numpy_random_seed"])))
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            restored = restored and all(torch.equal(a, b) for a, b in
+                                        zip(torch.cuda.get_rng_state_all(), states["torch_cuda_manual_seed"]))
+    except Exception as e:
+        kind = "it holds more than plain data and was refused" if "Weights only load failed" in str(e) else first_line(e)
+        return f"{file.name}: {kind}"
+    return None if restored else f"{file.name} does not match the generators after loading"
+
+
+# ----------------------------------------------------------------------------------------- --init-from
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile's wrappers
+
+
+def initial_weights(model, path: str, strict: bool = False) -> dict:
+    """--init-from: loads what fits of `path` into `model` (every process reads the file, as it reads the
+    data, so that all start from the same weights). Names are matched after removing wrapper prefixes;
+    a tensor whose shape differs (a classifier head for another number of classes) keeps its fresh
+    initialisation. Returns what happened, by name: loaded (a count), reset, missing, unexpected."""
+    state = _weights_file(Path(path))
+    clean = {}
+    for name, tensor in state.items():
+        while name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        clean[name] = tensor
+    own = model.state_dict()
+    matched = {k: v for k, v in clean.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
+    loaded = {own[k].data_ptr() for k in matched}  # a tied weight, held once in the file, is loaded under either name
+    report = {"from": str(path), "loaded": len(matched),
+              "reset": sorted(k for k in clean if k in own and k not in matched),
+              "missing": sorted(k for k in own if k not in clean and own[k].data_ptr() not in loaded),
+              "unexpected": sorted(k for k in clean if k not in own)}
+    if strict and (report["reset"] or report["missing"] or report["unexpected"]):
+        first = next(f"{kind} {names[0]}" for kind, names in (("reset", report["reset"]), ("missing", report["missing"]),
+                                                               ("unexpected", report["unexpected"])) if names)
+        raise ConfigError(f"--init-from {path} does not match the model exactly (--init-strict): {len(report['reset'])} "
+                          f"of another shape, {len(report['missing'])} missing, {len(report['unexpected'])} unexpected; "
+                          f"first: {first}")
+    if not matched:
+        raise ConfigError(f"--init-from {path}: none of its {len(clean)} tensors fits the model (names such as "
+                          f"{next(iter(clean), '-')!r} against {next(iter(own), '-')!r})")
+    model.load_state_dict(matched, strict=False)
+    return report
+
+
+def _weights_file(path: Path) -> dict:
+    """The tensors of a weights file, or of a run folder's / checkpoint's model.safetensors."""
+    if path.is_dir():
+        inner = path / "model.safetensors"
+        if not inner.is_file():
+            raise ConfigError(f"--init-from {path}: the folder holds no model.safetensors (give a run folder, a "
+                              "checkpoint of acc_trainer, or a weights file)")
+        path = inner
+    if not path.is_file():
+        raise ConfigError(f"--init-from {path} does not exist")
+    try:
+        if path.suffix == ".safetensors":
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a file that is not weights is the user's input
+        raise ConfigError(f"--init-from {path} is not a weights file: {type(e).__name__}: {first_line(e)}") from None
+    for key in ("state_dict", "model", "model_state_dict"):  # checkpoints of other trainers hold the weights inside
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"--init-from {path} holds {type(state).__name__}, not a dict of named tensors")
+    return state

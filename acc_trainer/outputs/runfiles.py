@@ -1,0 +1,245 @@
+"""The run folder: which folder a run writes to, its lock (one run at a time), and the files the main
+process writes there (config.yaml, metrics.jsonl, summary.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+
+import yaml
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
+
+from ..config import ConfigError, TrainConfig
+from ..distributed.processes import main_decides
+
+_LOCKS: dict = {}  # run folder -> the open lock file this process holds
+# What fit() was given as objects, set by api.fit for its run: config.yaml's first line names them, since the file
+# cannot build them again (`acc-trainer rerun` says so instead of training something else).
+GIVEN_AS_OBJECTS: ContextVar[tuple[str, ...]] = ContextVar("given_as_objects", default=())
+OBJECTS_NOTE = "# fit() trained this run on objects this file cannot build again: "
+# Where a run wrote and whether it resumed are not what it trains: left out of config.yaml, which then trains the
+# run again into a new folder (`acc-trainer --config RUN_DIR/config.yaml`, `acc-trainer rerun RUN_DIR`).
+NOT_RECORDED = ("output_dir", "resume")
+
+
+def _in_use(folder: Path, handle) -> ConfigError | None:
+    import fcntl
+
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        return ConfigError(f"--output-dir {folder} is in use by another run (process {holder}); wait for it to end, "
+                           "or choose another folder")
+    return None
+
+
+def check_not_in_use(folder: Path) -> None:
+    """Refuses a folder another live run holds (main process only; the lock is let go at once)."""
+    if not (folder / ".lock").exists() or folder.resolve() in _LOCKS:
+        return
+    with open(folder / ".lock", "a+") as handle:
+        error = _in_use(folder, handle)
+    if error:
+        raise error
+
+
+def lock_run_folder(folder: Path, resuming: bool) -> None:
+    """One run at a time per folder: an exclusive flock on <folder>/.lock, held until this process ends
+    (or starts another run on the folder). The operating system drops it when the process dies, so a
+    killed run never leaves a lock behind. Main process only."""
+    if folder.resolve() in _LOCKS:  # an earlier run of this process on the same folder (fit() twice, say)
+        _LOCKS.pop(folder.resolve()).close()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / ".lock", "a+")
+    except OSError as e:  # a read-only file system, a parent that is a file, no permission
+        where = next((p for p in [folder, *folder.parents] if p.exists()), folder)
+        raise ConfigError(f"--output-dir {folder} cannot be written ({e.strerror or type(e).__name__}"
+                          + (f": {where} is not a folder" if where.exists() and not where.is_dir() else "")
+                          + "); choose another folder") from None
+    error = _in_use(folder, handle)
+    if error:
+        handle.close()
+        raise error
+    # Checked again under the lock: a run that finished since this one started left its files here.
+    if not resuming and any((folder / name).exists() for name in RunFiles.OUTPUTS):
+        handle.close()
+        raise ConfigError(f"--output-dir {folder} already holds a run; choose a new folder, or add --resume auto")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _LOCKS[folder.resolve()] = handle
+
+
+class RunFiles:
+    """config.yaml, metrics.jsonl and summary.json of one run; written by the main process only.
+
+    A file that cannot be written (a full disk, a file size limit) stops the run with one line naming
+    it, the operating system's reason and the checkpoint to resume from; what was written before stays.
+    """
+
+    OUTPUTS = ("metrics.jsonl", "summary.json", "model.safetensors")
+
+    def __init__(self, folder: Path, enabled: bool, resumed_step: int | None = None):
+        """`resumed_step`: the run continues from a checkpoint at that step; records after it,
+        logged before the interruption, are dropped because the resumed run logs them again."""
+        self.folder, self.enabled = folder, enabled
+        self._metrics = None
+        if enabled:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / "metrics.jsonl"
+            with self.writing(path):
+                if resumed_step is not None and path.exists():
+                    kept = [line for line in path.read_text().splitlines(keepends=True)
+                            if _complete_record_before(line, resumed_step)]
+                    _write_atomically(path, "".join(kept))
+                self._metrics = open(path, "a", buffering=1)  # line-buffered: survives a kill
+
+    def write_config(self, cfg: TrainConfig) -> None:
+        """The resolved options, in the form `--config` reads back (less NOT_RECORDED), after a line naming what
+        fit() was given as objects."""
+        if self.enabled:
+            objects = GIVEN_AS_OBJECTS.get()
+            note = f"{OBJECTS_NOTE}{', '.join(objects)}\n" if objects else ""
+            options = {**cfg.to_dict(), **dict.fromkeys(NOT_RECORDED)}
+            with self.writing(self.folder / "config.yaml"):
+                (self.folder / "config.yaml").write_text(note + yaml.safe_dump(options, sort_keys=False))
+
+    def log(self, record: dict) -> None:
+        if self.enabled:
+            with self.writing(self.folder / "metrics.jsonl"):
+                self._metrics.write(json.dumps(record) + "\n")
+
+    @contextmanager
+    def writing(self, path: Path):
+        """An OSError while writing `path` (main process only) becomes one line and exit 1."""
+        from ..stopping import TrainingStopped
+
+        try:
+            yield
+        except OSError as e:
+            self._close_metrics()
+            raise TrainingStopped(f"writing {path} failed: {_write_failure(e, path)}; {self._resume_from()}",
+                                  code=1, alone=True) from None
+
+    @contextmanager
+    def plots_if_stopped(self, draw: bool = True):
+        """A run stopped early (signal, NaN/inf, a full disk) still gets plots of what it did, where
+        they can be written."""
+        from ..stopping import TrainingStopped
+
+        try:
+            yield
+        except TrainingStopped as stopped:
+            if self.enabled and draw:
+                from .plots import plot_run  # matplotlib: imported only when a plot is drawn
+
+                try:
+                    if self._metrics is not None and not self._metrics.closed:
+                        self._metrics.flush()
+                    plot_run(self.folder)
+                except OSError as e:  # the disk that stopped the run, most likely: the first reason stays
+                    reason = _write_failure(e, self.folder / "plots")
+                    reason = "the same reason" if reason in str(stopped) else reason
+                    raise TrainingStopped(f"{stopped}; the plots could not be written either ({reason})",
+                                          stopped.code, stopped.alone) from None
+            raise
+
+    def write_summary(self, summary: dict) -> None:
+        if self.enabled:
+            with self.writing(self.folder / "metrics.jsonl"):
+                self._metrics.close()
+            with self.writing(self.folder / "summary.json"):
+                _write_atomically(self.folder / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+    def _close_metrics(self) -> None:
+        # A failed write leaves the line in the file's buffer: close() drops it (and still closes the
+        # file) instead of failing again at interpreter exit with "Exception ignored".
+        if self._metrics is not None and not self._metrics.closed:
+            try:
+                self._metrics.close()
+            except OSError:
+                pass
+
+    def _resume_from(self) -> str:
+        from .checkpoints import complete_checkpoints
+
+        found = complete_checkpoints(self.folder / "checkpoints")
+        if not found:
+            return "no complete checkpoint was written"
+        return f"the last complete checkpoint is {found[-1]} (continue with --resume auto --output-dir {self.folder})"
+
+
+def given_as_objects(run: Path) -> str | None:
+    """What fit() was given as objects for the run in folder `run` (config.yaml's note, or for a run written before
+    the note, summary.json's model and data); None for a run the options name whole."""
+    with open(run / "config.yaml") as f:
+        first = f.readline()
+    if first.startswith(OBJECTS_NOTE):
+        return first[len(OBJECTS_NOTE):].strip()
+    made = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+    return f"model {made['model']}, data {made['dataset']}" if made.get("built_from") == "objects (fit)" else None
+
+
+def _write_failure(error: OSError, path: Path) -> str:
+    from .checkpoints import write_failure
+
+    return write_failure(error, path)
+
+
+def _complete_record_before(line: str, step: int) -> bool:
+    try:
+        return json.loads(line)["step"] <= step
+    except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+        return False
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # half written: the old file, if any, is still whole
+        raise
+
+
+def _unused(name: str) -> str:
+    """`name`, or `name-2`, `name-3`, ...: runs started within the same second (fit() twice) get folders of their own."""
+    path, count = name, 1
+    while Path(path).exists():
+        count += 1
+        path = f"{name}-{count}"
+    return path
+
+
+def output_dir(cfg: TrainConfig, model_name: str, dataset_name: str) -> Path:
+    """The run's folder, the same on every process: --output-dir, the resumed checkpoint's run, or a new
+    runs/<time>-<model>-<dataset>; refused when another live run holds it or (not resuming) a run is there."""
+    if cfg.output_dir:
+        out = Path(cfg.output_dir)
+    elif cfg.resume not in (None, "auto"):  # <run>/checkpoints/<checkpoint>
+        out = Path(cfg.resume).resolve().parent.parent
+    elif cfg.resume == "auto":
+        raise ConfigError("--resume auto needs the --output-dir of the run to continue")
+    else:  # the main process names it, so that every process writes to the same folder
+        labels = [re.sub(r"[^\w.-]+", "_", name.rpartition(":")[2]) for name in (model_name, dataset_name)]
+        name = [_unused(f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{labels[0]}-{labels[1]}")]
+        broadcast_object_list(name)
+        out = Path(name[0])
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir {out} exists and is not a folder")
+    main_decides(lambda: check_not_in_use(out))
+    if cfg.resume is None and any((out / name).exists() for name in RunFiles.OUTPUTS):
+        raise ConfigError(f"--output-dir {out} already holds a run; choose a new folder, or add --resume auto")
+    PartialState().wait_for_everyone()  # every process has checked before the main one writes
+    return out

@@ -1,0 +1,591 @@
+"""The model after training: evaluate it on any set, and predict, exactly, on any number of processes.
+
+    acc-trainer evaluate RUN_DIR [options] [--weights FILE] [--output FILE.json]
+    acc-trainer predict RUN_DIR --output FILE.jsonl|.csv|.npz [options] [--weights FILE] [--split eval|train]
+    acc_trainer.evaluate(model, dataset, metrics=..., batch_size=...)
+    acc_trainer.predict(model, dataset, output=None, batch_size=...)
+
+From a run folder, the model and data are rebuilt from its `config.yaml` (options given override it: another
+`--dataset`, `--data-dir`, `--eval-batch-size`), and its `model.safetensors` (or `--weights`) is loaded:
+never an evaluation of random weights. Both go through the training run's own evaluation path
+(evaluation.py): the Accelerator built the same way, the set in its order, each global batch split between
+the processes by Accelerate, the padding of the last batch left out (`real_batches` counts the real
+samples with `gather_for_metrics`; predictions of every process are joined in order by `everyones`).
+Predictions are written by the main process as the batches arrive.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import PartialState
+
+from ..config import ConfigError, TrainConfig, first_line
+from ..data.datasets import is_stream, length, one_at_a_time, reads_files
+from ..data.loaders import evaluation_loader, stream_evaluation
+from ..distributed import processes
+from ..language import adapters
+from ..language.generation import check_generates, generated_rows
+from ..language.pretrained import load_tokenizer
+from ..outputs import checkpoints
+from ..outputs.checkpoints import damage
+from ..stopping import TrainingStopped
+from ..training import evaluation
+from ..training.evaluation import everyones, format_results, real_batches, stream_faults, unreadable_everywhere
+from ..training.setup import accelerator_for, training_loss
+from ..workload import components
+from ..workload.losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
+
+FORMATS = (".jsonl", ".csv", ".npz")
+
+
+# ----------------------------------------------------------------------------------------- Python
+
+
+def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=None, loss=None, metrics=None,
+             collate_fn=None, forward=None, config: TrainConfig | None = None, **options) -> dict:
+    """`model` (with its weights loaded) evaluated on `dataset`, exactly, on every process of a launch:
+    the loss and every metric over the whole set (metrics as for `fit`; metrics with state computed once),
+    `samples`, and for classification the confusion matrix and per-class table under `tables`.
+
+    `evaluate(RUN_DIR, model=..., data=...)`: a finished run's weights (RUN_DIR/model.safetensors, or `weights`,
+    verified against the run's digests) loaded into `model`, as built before training, with the run's options
+    (config.yaml) under `config` and `options`; how to evaluate a run that `fit()` made from objects (give its
+    `loss` and `metrics` again: config.yaml names only those given by name). `weights` with a model object: loaded
+    into it first."""
+    from ..training.api import fit_config
+
+    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate")
+    cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
+    job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward,
+                                  cfg.pack)
+    return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
+
+
+def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=None,
+            output: str | os.PathLike | None = None, collate_fn=None, forward=None, generate: bool = False,
+            tokenizer=None, config: TrainConfig | None = None, **options) -> list[dict] | Path:
+    """The model's predictions for every sample of `dataset`, in its order, one row per sample with its
+    `index` (and `class`, the highest score, for class scores; `loss`, `perplexity` and `tokens` for a language
+    model given labels). Written to `output` (.jsonl, .csv or .npz) as the batches arrive, by the main process,
+    which returns its path; without `output`, the rows (every process gets them all). `predict(RUN_DIR, model=...,
+    data=...)`: a finished run's, as `evaluate`. `generate`: each input's `prompt` and the `text` generated after it
+    (greedy, `max_new_tokens`), with `tokenizer` (an object, or what --tokenizer takes; default: the run folder's)."""
+    from ..training.api import fit_config
+
+    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict")
+    cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
+    job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
+                                  cfg.pack)
+    if generate and tokenizer is None and isinstance(model_or_run, (str, os.PathLike)):
+        tokenizer = _saved_tokenizer(Path(model_or_run))
+    job.tokenizer = load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+    # a row per block with --pack
+    return _predict(cfg, job, job.data.train, Path(output) if output else None, generate=generate)[0]
+
+
+def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str) -> tuple:
+    """(the model, the dataset, the config) that `evaluate`/`predict` were given: a model and a dataset, or a run
+    folder with the model (its weights loaded from the run here) and the data."""
+    if dataset is not None and data is not None:
+        raise ConfigError(f"{command}: give the data once (second, or as data=)")
+    if not isinstance(model_or_run, (str, os.PathLike)):
+        if model is not None:
+            raise ConfigError(f"{command}: give the model once (first, or as model= after a run folder)")
+        if weights is not None:
+            _load_weights(model_or_run, _verified(Path(weights), "weights="), type(model_or_run).__name__)
+        return model_or_run, dataset if dataset is not None else data, config
+    run = Path(model_or_run)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"{command}: {run} holds no config.yaml: not the folder of an acc_trainer run")
+    if model is None or (dataset if dataset is not None else data) is None:
+        raise ConfigError(f"{command}({str(run)!r}, model=..., data=...): give the model as it was built before "
+                          "training (the run's weights are loaded into it) and the data to use")
+    if config is None:
+        from ..flags import parse_config
+
+        config = parse_config(["--config", str(run / "config.yaml")])
+    weights = _verified(Path(weights) if weights is not None else run / _weights_name(config), "weights=")
+    return _trained(model, weights, config), dataset if dataset is not None else data, config
+
+
+def _verified(weights: Path, give: str) -> Path:
+    """`weights`, once they exist and match the digest the run wrote (where there is one); `give`: how to name
+    other weights."""
+    if not weights.is_file():
+        raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give {give}"
+                          f"{'' if give.endswith('=') else ' '}FILE: never an evaluation of random weights")
+    problem = damage(weights.parent, only=weights.name)
+    if problem:
+        raise ConfigError(f"the weights {weights} are {problem}")
+    return weights
+
+
+def _weights_name(cfg: TrainConfig) -> str:
+    """What a run folder holds its trained weights in: the adapter of a LoRA run, else the whole model."""
+    return "adapter_model.safetensors" if cfg.lora else "model.safetensors"
+
+
+def _trained(model, weights: Path, cfg: TrainConfig, name: str | None = None):
+    """`model`, built as the run built it before training, with the run's `weights`: a LoRA run's adapter goes on
+    the base weights the run started from (--init-from read again)."""
+    if not cfg.lora:
+        _load_weights(model, weights, name or type(model).__name__)
+        return model
+    if cfg.init_from:
+        checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
+    return adapters.load_adapter(model, weights.parent)
+
+
+def _load_weights(model, weights: Path, name: str) -> None:
+    """`weights` (verified: `_verified`) into `model`, every tensor: a safetensors file through safetensors'
+    `load_model`, which fills in a tied tensor the file holds once (a causal LM's output layer, tied to its
+    embedding)."""
+    from safetensors.torch import load_model
+
+    try:
+        if weights.suffix == ".safetensors":
+            load_model(model, weights, strict=True)
+        else:
+            model.load_state_dict(torch.load(weights, weights_only=True, map_location="cpu"))
+    except Exception as e:  # noqa: BLE001 - a file that is not these weights is the user's input
+        raise ConfigError(f"the weights {weights} do not load into {name}: {type(e).__name__}: {first_line(e)}") from None
+
+
+# ----------------------------------------------------------------------------------------- the pieces
+
+
+def _prepared(cfg: TrainConfig, job: components.Workload, dataset, group: processes.Group | None = None) -> tuple:
+    """The Accelerator (as a training run builds it: setup.accelerator_for) and the prepared model and loader;
+    the caller has checked the first samples (components.check_fit)."""
+    group = group or processes.start(cfg)
+    accelerator = accelerator_for(cfg, group)
+    world = accelerator.num_processes
+    per_process = cfg.eval_batch_size or max(1, cfg.batch_size // (world * cfg.grad_accum))
+    if is_stream(dataset):  # its own loader (streams.py), which already holds this process's share
+        loader = stream_evaluation(cfg, dataset, per_process * world, world, accelerator.process_index, job.collate,
+                                   accelerator.device, processes.summing(accelerator), job.dataset_name, job.data.heads)
+    else:
+        loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
+                                   collate=job.collate)
+    job.data.heads.clear()  # the first samples read for the checks at start
+    model, loader = accelerator.prepare(job.model, loader)
+    return accelerator, model, loader
+
+
+def _evaluate(cfg: TrainConfig, job: components.Workload, dataset, group: processes.Group | None = None) -> dict:
+    checked = components.check_fit(job)
+    accelerator, model, loader = _prepared(cfg, job, dataset, group)
+    loss = training_loss(cfg, checked) if checked.eval_loss else None  # as the run evaluated (--label-smoothing)
+    with stream_faults(str):
+        results = evaluation.evaluate(accelerator, model, loader, loss, checked.metrics, guarded=reads_files(dataset),
+                                      forward_fn=job.forward, tables=checked.tables)
+    if results.pop("unreadable", None):
+        raise ConfigError("some samples cannot be read; acc-trainer check-data lists them")
+    return results
+
+
+def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path | None,
+             group: processes.Group | None = None, generate: bool = False) -> tuple:
+    """(OUTPUT, or the rows without one; the number of rows). `generate`: each input's generated text (generation.py)
+    instead of the model's outputs."""
+    size = length(dataset) if is_stream(dataset) else len(dataset)
+    if size is None and output is not None and output.suffix == ".npz":
+        raise ConfigError(f"predict: .npz arrays are made at the stream's size, and {job.dataset_name} does not say it "
+                          "(no __len__); write .jsonl or .csv")
+    if generate:
+        check_generates(job.model, job.tokenizer, "predict --generate", "--tokenizer (the run folder holds none)")
+    components.check_fit(job)  # one line for data that does not fit the model
+    accelerator, model, loader = _prepared(cfg, job, dataset, group)
+    model.eval()
+    writer = Writer(output, size) if accelerator.is_main_process else None
+    rows, index, unreadable = [], 0, []
+    # A signal stops every process at the same batch (the largest signal number any process got, agreed before
+    # each batch), never one process alone in the middle of the batch's gathers.
+    agree = (lambda n: n) if accelerator.num_processes == 1 else \
+        (lambda n: int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max()))
+    try:
+        shown = accelerator.is_main_process and output is not None
+        with _stopped_by_signals(output) as stop_if_asked, stream_faults(str), torch.no_grad(), \
+                _progress(shown, None if is_stream(dataset) else len(loader)) as advance:
+            for batch, real, bad in real_batches(accelerator, loader, reads_files(dataset)):
+                stop_if_asked(agree)
+                unreadable += bad
+                values, columns = _batch_values(job, model, batch, cfg.max_new_tokens if generate else None)
+                # every process's real outputs, in process order: the global batch's, in the dataset's order
+                even = not is_stream(dataset) and not accelerator.gradient_state.end_of_dataloader
+                batch_rows = _rows(everyones(accelerator, values, real, even), index, columns)
+                if output is not None and index == 0:
+                    check_rows(batch_rows, output)  # on every process: none is left waiting for the main one
+                index += len(batch_rows)
+                if writer:
+                    writer.write(batch_rows)
+                if output is None:
+                    rows += batch_rows
+                advance()
+            stop_if_asked(agree)  # a signal during the last batch
+        if unreadable_everywhere(accelerator, unreadable):
+            raise ConfigError("predict: some samples cannot be read (their rows would be another sample's); "
+                              "acc-trainer check-data lists them")
+        if writer:
+            writer.close()
+    finally:
+        if writer:
+            writer.discard()  # what is left of an unfinished file
+    accelerator.wait_for_everyone()
+    return (output if output is not None else rows), index
+
+
+@contextmanager
+def _stopped_by_signals(output: Path | None):
+    """SIGTERM or SIGINT while predicting ends it with one line and exit 128 + the signal, after the unfinished
+    file's folder is removed (`_predict`'s finally): the signal's default would end the process before it.
+    Yields `stop_if_asked(agree)`, which the loop calls before each batch with a function that turns this
+    process's signal number (0: none) into every process's: the handler only takes note, since an exception
+    raised from a handler lands wherever the main thread happens to be (inside `Thread.start`, say, which it
+    leaves broken). A second signal stops this process at once, for a batch that never comes."""
+    import signal
+    import threading
+
+    asked = []
+
+    def stop_if_asked(agree=lambda n: n):
+        number = agree(asked[0] if asked else 0)
+        if number:
+            name = signal.Signals(number).name
+            raise TrainingStopped(f"predict stopped by {name}" + (f"; nothing was written to {output}" if output else ""),
+                                  code=128 + number)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stop_if_asked
+        return
+
+    def note(number, frame):
+        asked.append(number)
+        if len(asked) > 1:
+            stop_if_asked()
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop_if_asked
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _batch_values(job: components.Workload, model, batch, generate: int | None) -> tuple:
+    """(what predict writes of each sample of `batch`, the names of its columns; None: `output`, and `class` for
+    class scores): the text generated after each input (`generate`: the most new tokens; by the module itself,
+    which makes no collective call), a language model's per-sequence loss (its outputs carry token logits and the
+    batch its labels), or else the model's predictions."""
+    if generate:
+        return generated_rows(job.model, job.tokenizer, batch, generate), ("prompt", "text")
+    outputs, targets = (job.forward or forward)(model, batch)
+    if _token_logits(outputs, targets):
+        return _sequence_losses(outputs, targets), ("loss", "perplexity", "tokens")
+    return _per_sample(outputs), None
+
+
+def _token_logits(outputs, targets) -> bool:
+    """Whether the outputs are scores over a vocabulary for each token [B, T, V] of labels [B, T]."""
+    if not (isinstance(targets, torch.Tensor) and targets.dim() == 2 and not targets.is_floating_point()):
+        return False
+    try:
+        scores = predictions(outputs)
+    except ValueError:
+        return False
+    return scores.dim() == 3 and scores.shape[:-1] == targets.shape
+
+
+def _sequence_losses(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """[B, 3]: each sequence's loss (the cross-entropy's mean over its labelled tokens, -100 left out), perplexity
+    (exp of that loss) and labelled tokens. A model whose own loss counts the next token (Hugging Face's causal
+    LMs; also a loss of its own that is no plain cross-entropy) has each position scored against the next label,
+    as it trains; otherwise each position against its own (the built-in cross_entropy's tokens)."""
+    logits = predictions(outputs).detach().float()
+    own = own_loss(outputs)
+    if own is not None and own_items(outputs, targets, own) is not count_tokens:
+        logits, targets = logits[:, :-1], targets[:, 1:]
+    per_token = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    tokens = (targets != IGNORE_INDEX).sum(1)
+    loss = per_token.sum(1) / tokens  # NaN for a sequence with no labelled token
+    return torch.stack([loss, loss.exp(), tokens.float()], 1)
+
+
+def _per_sample(outputs):
+    """What is gathered of a batch's outputs: the predictions tensor (class scores, values) when it is a batch
+    of one size per sample ([B] or [B, C]), or else one plain object per sample (a detector's dicts, a
+    sequence model's [B, T, C] padded to another length on each process)."""
+    try:
+        values = predictions(outputs).detach().float()
+    except ValueError:
+        if isinstance(outputs, dict):
+            sizes = {len(v) for v in outputs.values() if isinstance(v, torch.Tensor) and v.dim()}
+            if len(sizes) != 1:
+                raise ConfigError(f"predict: cannot split outputs with keys {sorted(outputs)} into samples") from None
+            return [{k: _plain(v[i]) for k, v in outputs.items()} for i in range(sizes.pop())]
+        return [_plain(o) for o in outputs]
+    return values if values.dim() <= 2 else [_plain(v) for v in values]
+
+
+def _plain(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().tolist()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _rows(gathered, start: int, columns: tuple | None = None) -> list[dict]:
+    if columns is not None:  # named values: a tensor's columns, or each sample's dict
+        values = gathered.cpu().tolist() if isinstance(gathered, torch.Tensor) else gathered
+        rows = [{"index": start + i, **(dict(zip(columns, v)) if isinstance(v, list) else v)} for i, v in enumerate(values)]
+        for row in rows:
+            if "tokens" in row:
+                row["tokens"] = int(row["tokens"])  # a count, gathered in the float tensor of its row
+        return rows
+    if isinstance(gathered, torch.Tensor):
+        values = gathered.cpu()
+        rows = []
+        for i, value in enumerate(values):
+            row = {"index": start + i}
+            if value.dim() == 1 and value.numel() > 1:
+                row["class"] = int(value.argmax())
+            row["output"] = value.tolist() if value.numel() > 1 else value.item()
+            rows.append(row)
+        return rows
+    return [{"index": start + i, "output": value} for i, value in enumerate(gathered)]
+
+
+class _progress:
+    """A rich progress bar over the batches on the main process (nothing on the others)."""
+
+    def __init__(self, show: bool, total: int):
+        self.show, self.total = show, total
+
+    def __enter__(self):
+        if not self.show:
+            return lambda: None
+        from rich.progress import Progress
+
+        self.bar = Progress(transient=True)
+        self.bar.start()
+        task = self.bar.add_task("predicting", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.show:
+            self.bar.stop()
+
+
+def check_rows(rows: list[dict], path: Path) -> None:
+    """Whether the rows fit the output's format: .csv and .npz take numbers (one, or a list of them), .csv texts too."""
+    if path.suffix == ".jsonl" or not rows:
+        return
+    for value in rows[0].values():
+        numbers = isinstance(value, (int, float)) or isinstance(value, list) and all(isinstance(v, (int, float))
+                                                                                     for v in value)
+        if not (numbers or path.suffix == ".csv" and isinstance(value, str)):
+            kind = "rows of numbers" + (" or texts" if path.suffix == ".csv" else "")
+            raise ConfigError(f"predict: these outputs are not {kind}; write them as .jsonl, not {path.suffix}")
+
+
+def _columns(row: dict):
+    """A row's CSV columns: a list spreads into name_0, name_1, ... (`output` always does: output_0)."""
+    for name, value in row.items():
+        if isinstance(value, list) or name == "output":
+            yield from ((f"{name}_{i}", v) for i, v in enumerate(value if isinstance(value, list) else [value]))
+        else:
+            yield name, value
+
+
+class Writer:
+    """Rows to a .jsonl or .csv file line by line, or to .npz arrays filled as they come (memory-mapped
+    .npy files, zipped at the end): a large set never sits in memory whole. Written in a folder of its own
+    beside the output, moved into place when complete."""
+
+    def __init__(self, path: Path | None, size: int):
+        self.path, self.size, self.done = path, size, 0
+        if path is None:
+            return
+        self.folder = Path(tempfile.mkdtemp(prefix=".predict-", dir=path.parent))
+        self.file = None if path.suffix == ".npz" else open(self.folder / path.name, "w", newline="")
+        self.arrays = {}
+
+    def write(self, rows: list[dict]) -> None:
+        if self.path is None or not rows:
+            return
+        if self.path.suffix == ".jsonl":
+            self.file.write("".join(json.dumps(r) + "\n" for r in rows))
+        elif self.path.suffix == ".csv":
+            self._csv(rows)
+        else:
+            self._npz(rows)
+        self.done += len(rows)
+
+    def _csv(self, rows: list[dict]) -> None:
+        flat = [dict(_columns(r)) for r in rows]
+        if self.done == 0:
+            self.csv = csv.writer(self.file)
+            self.csv.writerow(list(flat[0]))
+        for values in flat:
+            self.csv.writerow(list(values.values()))
+
+    def _npz(self, rows: list[dict]) -> None:
+        import numpy as np
+
+        columns = {name: [r[name] for r in rows] for name in rows[0]}  # one array a column
+        if self.done + len(rows) > self.size:
+            raise ConfigError(f"predict: the dataset gave more than the {self.size:,} samples its __len__ says")
+        for name, values in columns.items():
+            values = np.asarray(values)
+            if name not in self.arrays:
+                self.arrays[name] = np.lib.format.open_memmap(self.folder / f"{name}.npy", mode="w+", dtype=values.dtype,
+                                                              shape=(self.size, *values.shape[1:]))
+            self.arrays[name][self.done: self.done + len(values)] = values
+
+    def close(self) -> None:
+        if self.path is None:
+            return
+        if self.file is not None:
+            self.file.close()
+            os.replace(self.folder / self.path.name, self.path)
+        else:
+            if self.done != self.size:
+                raise ConfigError(f"predict: the dataset gave {self.done:,} samples, its __len__ says {self.size:,}")
+            for array in self.arrays.values():
+                array.flush()
+            with zipfile.ZipFile(self.folder / self.path.name, "w", zipfile.ZIP_STORED) as archive:
+                for name in self.arrays:
+                    archive.write(self.folder / f"{name}.npy", f"{name}.npy")
+            os.replace(self.folder / self.path.name, self.path)
+        self.discard()
+
+    def discard(self) -> None:
+        if self.path is None:
+            return
+        if self.file is not None and not self.file.closed:
+            self.file.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------- the command line
+
+
+@dataclass
+class _Command:
+    """What `evaluate`/`predict` on a run folder were given besides the training options."""
+
+    run: Path
+    weights: Path
+    output: Path | None
+    split: str
+    generate: bool = False  # predict --generate
+    tokenizer: str | None = None  # --tokenizer's, else the run folder's own, else config.yaml's
+
+
+def _run_options(argv: list[str], command: str, about: str, output_help: str) -> tuple[TrainConfig, _Command]:
+    """RUN_DIR, --weights, --output, --split and the training options over the run's config.yaml."""
+    from ..flags import Parser, add_training_options, config_from
+
+    parser = Parser(prog=f"acc-trainer {command}", description=about)
+    parser.add_argument("run", type=Path, metavar="RUN_DIR", help="the folder of a finished run")
+    parser.add_argument("--weights", type=Path, metavar="FILE", help="the weights to load (default: "
+                        "RUN_DIR/model.safetensors)")
+    parser.add_argument("--output", type=Path, metavar="FILE", help=output_help)
+    parser.add_argument("--split", choices=("eval", "train"), default="eval",
+                        help="the data's evaluation or training set (default: eval)")
+    if command == "predict":
+        parser.add_argument("--generate", action="store_true", help="write the text the model generates after each "
+                            "input (greedy, --max-new-tokens), with the run's tokenizer or --tokenizer")
+    add_training_options(parser, "every option of acc-trainer --help, over the run's own config.yaml (e.g. "
+                                 "--dataset, --data-dir, --eval-batch-size)")
+    args = parser.parse_args(argv)
+    if not (args.run / "config.yaml").is_file():
+        raise ConfigError(f"{args.run} holds no config.yaml: not the folder of an acc_trainer run")
+    made = json.loads((args.run / "summary.json").read_text()) if (args.run / "summary.json").is_file() else {}
+    if made.get("built_from") == "objects (fit)" and ("model" not in args or "dataset" not in args):
+        raise ConfigError(f"{args.run} was trained by fit() on objects ({made['model']}, {made['dataset']}), which the "
+                          "command line cannot build again: give --model and --dataset as functions that build them "
+                          f"(module:function), or from Python: acc_trainer.{command}({str(args.run)!r}, model=..., "
+                          "data=...)")
+    if "config" not in args:  # a --config given here replaces the run's, as it always did
+        args.config = args.run / "config.yaml"
+    cfg = config_from(args)
+    weights = _verified(args.weights or args.run / _weights_name(cfg), "--weights")
+    tokenizer = args.tokenizer if "tokenizer" in args else _saved_tokenizer(args.run) or cfg.tokenizer
+    return cfg, _Command(args.run, weights, args.output, args.split, getattr(args, "generate", False), tokenizer)
+
+
+def _saved_tokenizer(run: Path) -> str | None:
+    """The run folder, when it holds the run's tokenizer (saved with it: pretrained.tokenizer_files)."""
+    return str(run) if (run / "tokenizer_config.json").is_file() or (run / "tokenizer.json").is_file() else None
+
+
+def _workload(cfg: TrainConfig, weights: Path, split: str):
+    """The run's model with `weights` loaded, and its `split` set (the processes are started)."""
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.seed)
+    # The run's weights replace pretrained ones, but for a LoRA run's base.
+    job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)))
+    job.model = _trained(job.model, weights, cfg, cfg.model)
+    dataset = job.data.eval if split == "eval" else job.data.train
+    if dataset is None:
+        raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")
+    # The first-sample check and everything after it read this split only.
+    job.data = components.Data(dataset, None, job.data.task, job.data.num_classes, job.data.input_shape)
+    return job, dataset
+
+
+def main_evaluate(argv: list[str]) -> None:
+    """`acc-trainer evaluate RUN_DIR [options] [--weights FILE] [--output FILE.json]`."""
+    cfg, given = _run_options(
+        argv, "evaluate", "A finished run's loss and metrics on its evaluation set, or on any set the options name.",
+        "also write the results to FILE.json")
+    weights, output, split = given.weights, given.output, given.split
+    if output is not None and output.suffix != ".json":
+        raise ConfigError(f"--output {output}: evaluate writes .json")
+    group = processes.start(cfg)  # before the workload: a download happens on the main process first
+    job, dataset = _workload(cfg, weights, split)
+    results = _evaluate(cfg, job, dataset, group)
+    if PartialState().is_main_process:
+        tables = results.pop("tables", {})
+        print(f"{cfg.model} ({weights}) on {cfg.dataset} ({split}): {format_results(results)}")
+        if output is not None:
+            output.write_text(json.dumps({**results, **tables, "weights": str(weights), "split": split}, indent=1))
+
+
+def main_predict(argv: list[str]) -> None:
+    """`acc-trainer predict RUN_DIR --output FILE [options] [--weights FILE] [--split eval|train]`."""
+    cfg, given = _run_options(
+        argv, "predict", "A finished run's predictions: one row per sample, in the set's order.",
+        f"where the rows go: FILE with a suffix of {', '.join(FORMATS)} (needed)")
+    weights, output, split = given.weights, given.output, given.split
+    if output is None or output.suffix not in FORMATS:
+        raise ConfigError(f"acc-trainer predict needs --output FILE with a suffix of {', '.join(FORMATS)}"
+                          + (f", not {output.suffix or output.name!r}" if output is not None else ""))
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    group = processes.start(cfg)
+    job, dataset = _workload(cfg, weights, split)
+    if given.generate and given.tokenizer:
+        job.tokenizer = load_tokenizer(given.tokenizer)
+    written, count = _predict(cfg, job, dataset, output, group, given.generate)
+    if PartialState().is_main_process:
+        what = "generated text" if given.generate else "predictions"
+        print(f"{what} of {cfg.model} for {count:,} samples of {cfg.dataset} ({split}) in {written}",
+              file=sys.stdout)

@@ -1,0 +1,200 @@
+"""The end of a run: the processes' weights compared, the final weights saved (`save_model`), summary.json
+written, the plots drawn and the summary table printed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from ..config import TrainConfig
+from ..distributed import processes
+from ..language.adapters import is_peft, save_merged
+from ..language.pretrained import config_files, tokenizer_files
+from ..outputs import trackers
+from ..outputs.checkpoints import WRITE_ERRORS, write_failure, write_sums
+from ..outputs.progress import summary_table
+from ..stopping import TrainingStopped
+from ..workload.measure import device_peak_flops, library_versions, peak_memory_mb
+from ..workload.metrics import best_evaluation, ranked_by
+from .evaluation import format_results
+from .setup import Run
+
+
+def finish(r: Run) -> dict:
+    """Checks every process ends with the same weights, saves them (`save_model`) and the summary, draws
+    the plots."""
+    accelerator, trained, output = r.accelerator, r.trained, r.output
+    agreement = processes.ranks_agree(accelerator, trained.model)
+    if agreement["agree"] is False and accelerator.is_main_process:
+        print(f"acc-trainer: warning: {agreement['detail']} at the end of training (the weights saved are "
+              "process 0's); this is a bug: please report it", file=sys.stderr)
+    accelerator.wait_for_everyone()
+    # Accelerate saves a compiled model under its wrapper's names (`_orig_mod.fc1.weight`); saved from
+    # the module itself, the weights load into the model as the user built it. FSDP and DeepSpeed need
+    # their wrapper to gather the full weights.
+    to_save = trained.model if r.engine != "DDP" else accelerator.unwrap_model(trained.model, keep_torch_compile=False)
+    try:
+        save_weights(accelerator, trained.ema.module if trained.ema else to_save, output.folder, r.cfg.lora_merge,
+                     r.job.tokenizer)
+    except WRITE_ERRORS as e:
+        if not accelerator.is_main_process:
+            raise
+        shutil.rmtree(output.folder / ".tmp-weights", ignore_errors=True)  # the part written
+        last = output.checkpoints.last
+        kept = f"the last complete checkpoint is {last}" if last else "no checkpoint was saved"
+        raise TrainingStopped(f"writing the final weights {output.folder / 'model.safetensors'} failed: "
+                              f"{write_failure(e, output.folder)}; {kept}", code=1, alone=True) from None
+    summary = run_summary(r, agreement)
+    output.files.write_summary(summary)
+    plots = []
+    if accelerator.is_main_process and r.cfg.plots:
+        from ..outputs.plots import plot_run  # matplotlib: 0.4 s to import, needed only here
+
+        with output.files.writing(output.folder / "plots"):
+            plots = plot_run(output.folder)
+    final = r.state.evals[-1] if r.state.evals else None
+    output.progress.print(f"[bold]final[/] {format_results(final) if final else 'no evaluation set'}; "
+                          f"{summary['samples_per_s'] or 0:,.0f} samples/s; run files in {output.folder}")
+    output.progress.print(summary_table(summary, plots))
+    trackers.end(accelerator, output.folder, summary)  # the final summary, the run's files, each tracker finished
+    # Not `end_training`, which also destroys the process group: a script of the user's goes on with it (a
+    # second fit(), evaluate() on the same processes). The command line destroys it as it leaves (cli.main).
+    return summary
+
+
+def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = False, tokenizer=None) -> None:
+    """The final weights (`save_model`: model.safetensors, or its shards and their index), written as
+    checkpoints are: into a temporary folder, moved into place once whole, then listed with their digests in
+    `folder/SHA256SUMS` (`evaluate`/`predict` verify them). A run stopped while writing leaves no half file."""
+    tmp = folder / ".tmp-weights"  # only the main process writes files (the others may help gather the weights)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
+    accelerator.wait_for_everyone()  # before any process makes the folder again (save_model does, on each)
+    error = None
+    try:
+        module = accelerator.unwrap_model(model, keep_torch_compile=False)
+        if is_peft(module):  # the adapter alone, in peft's format (and the merged model, --lora-merge)
+            if accelerator.is_main_process:
+                config_files(module, tmp)
+                if merge:  # a model folder of its own: its tokenizer too
+                    save_merged(module, tmp / "merged")
+                    tokenizer_files(tokenizer, tmp / "merged")
+        else:
+            accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
+            if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained
+                config_files(module, tmp)
+        if accelerator.is_main_process:  # the run's tokenizer: AutoTokenizer.from_pretrained(folder) too
+            tokenizer_files(tokenizer, tmp)
+    except WRITE_ERRORS as e:
+        error = e
+    if accelerator.num_processes > 1:  # reached by every process, whether its part failed or not: no one waits alone
+        accelerator.gather(torch.tensor([error is not None], device=accelerator.device))
+    if error is not None:
+        raise error
+    if accelerator.is_main_process:
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        for entry in tmp.iterdir():
+            if entry.is_dir():
+                shutil.rmtree(folder / entry.name, ignore_errors=True)
+            os.replace(entry, folder / entry.name)
+        tmp.rmdir()
+        write_sums(folder, files)
+
+
+def run_summary(r: Run, agreement: dict) -> dict:
+    """What summary.json holds: the results, how the run was made, and how fast."""
+    cfg, accelerator, state, clock, trained = r.cfg, r.accelerator, r.state, r.clock, r.trained
+    final = state.evals[-1] if state.evals else None
+    samples_per_s = (state.step - r.shape.start_step) * cfg.batch_size / clock.train_time if clock.train_time else None
+    peak = device_peak_flops(accelerator.device)
+    flops_per_s = trained.flops * samples_per_s if samples_per_s and trained.flops else None
+    checked = r.scoring.checked
+    return {
+        "model": r.job.model_name,
+        "dataset": r.job.dataset_name,
+        "built_from": "objects (fit)" if r.job.objects else "names",  # how evaluate/predict can rebuild it
+        "loss_function": checked.loss_name,
+        "loss_per": checked.loss_per,  # item: summed over items, divided by the global batch's count
+        "unused_parameters": checked.unused,
+        "metrics": list(r.scoring.metrics),
+        "augment": _describe_augment(r.loaders.augment, cfg),
+        "weights": f"ema (decay {cfg.ema})" if trained.ema else "trained",
+        "world_size": r.world,
+        "distributed_type": accelerator.distributed_type.value,
+        "device": accelerator.device.type,
+        "mixed_precision": accelerator.mixed_precision,
+        "global_batch_size": cfg.batch_size,
+        "grad_accum": cfg.grad_accum,
+        "per_process_batch_size": r.per_process_batch,
+        "steps": state.step,
+        "skipped_steps": state.skipped_steps,
+        "bad_sample_steps": state.bad_sample_steps,
+        "loss_scale_skipped_steps": state.loss_scale_skipped_steps,
+        "unreadable_samples": state.unreadable_samples,
+        "epochs": r.shape.epochs or r.epoch + 1,
+        "stream_resume": r.stream_resume,  # a resumed stream: how it reached its position, and in how long
+        "train_samples": state.step * cfg.batch_size,
+        "eval": {k: v for k, v in final.items() if k not in ("samples", "step", "epoch")} if final else None,
+        "eval_samples": final["samples"] if final else 0,
+        "evals": state.evals,
+        "best": _best(cfg, state.evals),
+        "stopped_early": state.stopped_early,
+        "init": trained.tuning.init,
+        "parameters": trained.counts,  # trainable (now) and total
+        "lora": {"rank": cfg.lora, "alpha": cfg.lora_alpha or 2 * cfg.lora, "targets": cfg.lora_targets or "all-linear"}
+        if cfg.lora else None,
+        "frozen_weights": trained.frozen,  # what a checkpoint does not hold: their digest, checked on resume
+        "param_groups": [{"lr_mult": g.get("lr_mult", 1.0), "weight_decay": g.get("weight_decay"),
+                          "parameters": len(g["params"])} for g in trained.optimizer.param_groups],
+        **_tables(r),
+        "resumed_from": str(r.output.resume) if r.output.resume else None,
+        "wall_time_s": time.perf_counter() - r.started,
+        "train_time_s": clock.train_time,
+        "data_time_share": clock.data_time / clock.train_time if clock.train_time else None,
+        "samples_per_s": samples_per_s,
+        "model_flops_per_sample": trained.flops,
+        "flops_per_s": flops_per_s,
+        # against the bf16 peak of one device, as nanoGPT reports MFU
+        "mfu": flops_per_s / (peak * r.world) if flops_per_s and peak else None,
+        "peak_memory_mb": peak_memory_mb(accelerator.device),
+        "ranks_agree": agreement["agree"],  # None: not checked (ranks_check says why)
+        "ranks_check": agreement["detail"],
+        "notes": r.notes,
+        "output_dir": str(r.output.folder),
+        "versions": library_versions(),
+    }
+
+
+def _best(cfg: TrainConfig, evals: list[dict]) -> dict | None:
+    """The best evaluation by the run's own measure (--save-best, else --early-stop, else accuracy or loss):
+    the one `--save-best` keeps, the summary table and `acc-trainer report` show."""
+    metric = ranked_by(evals, cfg.save_best or cfg.early_stop)
+    best = best_evaluation(evals, metric) if metric else None
+    return {"step": best["step"], "metric": metric, "value": best[metric]} if best else None
+
+
+def _tables(r: Run) -> dict:
+    """The last evaluation's confusion matrix (rows: targets, columns: predictions) and per-class table, by
+    class name (the dataset's `classes`, else the class index)."""
+    tables = r.tables
+    if "confusion_matrix" not in tables:
+        return {}
+    classes = list(getattr(r.job.data.train, "classes", None) or [])
+    names = [str(c) for c in classes] if len(classes) == len(tables["per_class"]) else \
+        [str(i) for i in range(len(tables["per_class"]))]
+    return {"classes": names, "confusion_matrix": tables["confusion_matrix"],
+            "per_class": dict(zip(names, tables["per_class"]))}
+
+
+def _describe_augment(augment, cfg: TrainConfig) -> str:
+    if augment is None:
+        return "none"
+    parts = [augment.kind] if augment.kind != "none" else []
+    parts += [f"mixup {cfg.mixup}"] * bool(cfg.mixup) + [f"cutmix {cfg.cutmix}"] * bool(cfg.cutmix)
+    return ", ".join(parts)
