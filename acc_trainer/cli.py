@@ -26,7 +26,7 @@ COMMANDS = ("launch", "report", "bench", "bench-lm", "check", "check-data", "eva
 def check_data(argv: list[str]) -> None:
     """`acc-trainer check-data [options]`: opens every sample of the dataset the options name, once, and
     lists those that cannot be read (or that --collate cannot batch); exit 1 when there are some."""
-    from .data.datasets import is_stream, unreadable_samples
+    from .data.faults import unreadable_samples
     from .data.streams import read_through
     from .outputs.progress import make_console
     from .workload.components import build_batching, build_data
@@ -35,10 +35,10 @@ def check_data(argv: list[str]) -> None:
     data = build_data(cfg)
     collate, _ = build_batching(cfg.collate, None)
     console, bad = make_console(), 0
-    for split, dataset in (("training", data.train), ("evaluation", data.eval)):
+    for split, dataset, kind in (("training", data.train, data.kind.train), ("evaluation", data.eval, data.kind.eval)):
         if dataset is None:
             continue
-        if is_stream(dataset):  # read to its end; a read error ends it there
+        if kind.stream:  # read to its end; a read error ends it there
             count, problems = read_through(dataset, collate)
             bad += len(problems)
             for problem in problems:
@@ -112,72 +112,93 @@ def main(argv: list[str] | None = None) -> None:
         argv = sys.argv[1:] if argv is None else argv
         if argv[:1] and argv[0] in SUBCOMMANDS:
             return sub_command(argv[0])(argv[1:])
-        again = None  # `rerun RUN_DIR [options]`: training, from the run's own config.yaml (reruns.py)
-        if argv[:1] == ["rerun"]:
-            from .trained.reruns import rerun_config
-
-            again, cfg = rerun_config(argv[1:])
-        elif argv and not argv[0].startswith("-"):  # training takes no positional argument: a mistyped command
-            hint = did_you_mean(argv[0], COMMANDS) or f"; the commands are {', '.join(COMMANDS)}"
-            raise ConfigError(f"unknown command {argv[0]!r}{hint}")
-        else:
-            cfg = parse_config(argv)
-        from .patches import keep_freed_memory, leave_without_teardown
-        from .training.api import train  # imported here so that --help and input errors answer at once
-
-        keep_freed_memory()  # the command's process is the trainer's own (docs/performance.md)
-        summary = train(cfg)
-        if again is not None:
-            from .trained.reruns import report_weights
-
-            report_weights(again, cfg, summary)  # the main process says whether they are the run's, bit for bit
-        if several:
-            from accelerate import PartialState
-
-            PartialState().destroy_process_group()  # the run is over; fit() leaves it to the script that called it
-            leave_without_teardown(0)
+        train_from_command_line(argv, several)
     except ConfigError as e:
-        line = f"acc-trainer: error{f' (rank {rank})' if several else ''}: {e}"
-        from .distributed.launching import tell_launcher
-
-        # Every process meets the same bad input: under torch's launcher each hands its line over and only the
-        # main process prints it; `acc-trainer launch` shows one that another machine's alone met (docs/scaling.md).
-        # The main process prints before it hands the line over: a launcher that stops it in between has then
-        # seen it printed, not handed over and never shown.
-        if not several or rank == "0":
-            print(line, file=sys.stderr)
-            if several:
-                tell_launcher(line)
-        elif not tell_launcher(line):
-            print(line, file=sys.stderr)
-        if several:  # ends with 2, not with gloo's abort in the teardown, as a finished process does
-            from .patches import leave_without_teardown
-
-            leave_without_teardown(2)
-        sys.exit(2)
+        exit_on_bad_input(e, rank, several)
     except Exception as e:
-        from .stopping import TrainingStopped, lost_contact
-
-        if isinstance(e, TrainingStopped):
-            if not several or rank == "0":  # every process stops together, for the same reason
-                print(f"acc-trainer: {e}", file=sys.stderr)
-            if several and not e.alone:
-                # The others wait for the main process (plots, message): a launcher that sees one
-                # process exit ends the rest at once.
-                import torch.distributed as dist
-
-                dist.barrier()
-            if several:
-                from .patches import leave_without_teardown
-
-                leave_without_teardown(e.code)
-            sys.exit(e.code)
-        if lost_contact(e):
-            print(f"acc-trainer: error (rank {rank}): lost contact with another process, which died, hung or lost "
-                  f"its network (waited at most --dist-timeout): {first_line(e)}; continue from the last checkpoint with "
-                  f"--resume auto", file=sys.stderr)
-            sys.exit(1)
+        exit_if_stopped(e, rank, several)
         raise
+
+
+def train_from_command_line(argv: list[str], several: bool) -> None:
+    """Training: the options parsed (or a run's own, `rerun RUN_DIR`), the run made, the process group left."""
+    again = None  # `rerun RUN_DIR [options]`: training, from the run's own config.yaml (reruns.py)
+    if argv[:1] == ["rerun"]:
+        from .trained.reruns import rerun_config
+
+        again, cfg = rerun_config(argv[1:])
+    elif argv and not argv[0].startswith("-"):  # training takes no positional argument: a mistyped command
+        hint = did_you_mean(argv[0], COMMANDS) or f"; the commands are {', '.join(COMMANDS)}"
+        raise ConfigError(f"unknown command {argv[0]!r}{hint}")
+    else:
+        cfg = parse_config(argv)
+    from .patches import keep_freed_memory, leave_without_teardown
+    from .training.api import train  # imported here so that --help and input errors answer at once
+
+    keep_freed_memory()  # the command's process is the trainer's own (docs/performance.md)
+    summary = train(cfg)
+    if again is not None:
+        from .trained.reruns import report_weights
+
+        report_weights(again, cfg, summary)  # the main process says whether they are the run's, bit for bit
+    if several:
+        from accelerate import PartialState
+
+        PartialState().destroy_process_group()  # the run is over; fit() leaves it to the script that called it
+        leave_without_teardown(0)
+
+
+def exit_on_bad_input(e: ConfigError, rank: str | None, several: bool) -> None:
+    """A user mistake: one line on stderr (once, however many processes met it), exit code 2."""
+    line = f"acc-trainer: error{f' (rank {rank})' if several else ''}: {e}"
+    from .distributed.launching import tell_launcher
+
+    # Every process meets the same bad input: under torch's launcher each hands its line over and only the
+    # main process prints it; `acc-trainer launch` shows one that another machine's alone met (docs/scaling.md).
+    # The main process prints before it hands the line over: a launcher that stops it in between has then
+    # seen it printed, not handed over and never shown.
+    if not several or rank == "0":
+        print(line, file=sys.stderr)
+        if several:
+            tell_launcher(line)
+    elif not tell_launcher(line):
+        print(line, file=sys.stderr)
+    if several:  # ends with 2, not with gloo's abort in the teardown, as a finished process does
+        from .patches import leave_without_teardown
+
+        leave_without_teardown(2)
+    sys.exit(2)
+
+
+def exit_if_stopped(e: Exception, rank: str | None, several: bool) -> None:
+    """Exits with the stop's code when the run stopped (TrainingStopped), with 1 when another process was
+    lost; returns for any other error, which the caller raises again."""
+    from .stopping import TrainingStopped, lost_contact
+
+    if isinstance(e, TrainingStopped):
+        exit_stopped(e, rank, several)
+    if lost_contact(e):
+        print(f"acc-trainer: error (rank {rank}): lost contact with another process, which died, hung or lost "
+              f"its network (waited at most --dist-timeout): {first_line(e)}; continue from the last checkpoint with "
+              f"--resume auto", file=sys.stderr)
+        sys.exit(1)
+
+
+def exit_stopped(e, rank: str | None, several: bool) -> None:
+    """A stopped run: its reason printed once, every process leaving together with the stop's code."""
+    if not several or rank == "0":  # every process stops together, for the same reason
+        print(f"acc-trainer: {e}", file=sys.stderr)
+    if several and not e.alone:
+        # The others wait for the main process (plots, message): a launcher that sees one
+        # process exit ends the rest at once.
+        import torch.distributed as dist
+
+        dist.barrier()
+    if several:
+        from .patches import leave_without_teardown
+
+        leave_without_teardown(e.code)
+    sys.exit(e.code)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import yaml
 
-# The built-in names (the registries themselves, models.MODELS and data.DATASETS, import torch; a test
+# The built-in names (the registries themselves, models.MODELS and datasets.DATASETS, import torch; a test
 # keeps these in step with them).
 MODELS = ("linreg", "mlp", "lenet", "convnet", "resnet18", "resnet18_cifar")
 DATASETS = ("synthetic", "linear", "fake", "cifar10", "cifar100", "imagefolder")
@@ -261,6 +261,24 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Check everything that does not need the Accelerator. Returns self."""
+        self._check_choices()
+        self._check_counts()
+        self._check_hyperparameters()
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches"
+            )
+        self._check_model_and_data()
+        self._checkpoint_parts()  # parses --checkpoint-every
+        self._check_optimizer_setup()
+        self._check_lora()
+        if self.nesterov and self.optimizer != "sgd":
+            raise ConfigError("--nesterov applies to --optimizer sgd only")
+        self._check_trackers()
+        return self
+
+    def _check_choices(self) -> None:
+        """The options that take one of a few names (a field's `choices`)."""
         for f in fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
@@ -268,6 +286,9 @@ class TrainConfig:
                 kind = f.name.replace("_", " ")
                 raise ConfigError(f"unknown {kind} {value!r}; choose from {', '.join(choices)}"
                                   + did_you_mean(str(value), choices))
+
+    def _check_counts(self) -> None:
+        """Sizes, step counts and timeouts: positive where given."""
         for name in ("train_size", "eval_size", "epochs", "batch_size", "grad_accum", "log_every", "patience",
                      "lr_step_epochs", "lr_reference_batch", "dist_timeout"):
             if getattr(self, name) <= 0:
@@ -280,6 +301,9 @@ class TrainConfig:
             raise ConfigError(f"--pack takes a block length of at least 2 tokens, got {self.pack}")
         if self.hang_timeout is not None and self.hang_timeout < 0:
             raise ConfigError(f"--hang-timeout must be 0 (no watchdog) or positive, got {self.hang_timeout}")
+
+    def _check_hyperparameters(self) -> None:
+        """Learning rates, regularisation, --seed and --num-workers: within their ranges."""
         for name in ("lr", "lr_gamma"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
@@ -298,10 +322,9 @@ class TrainConfig:
             raise ConfigError(f"--ema takes a decay between 0 and 1 (e.g. 0.999), got {self.ema}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
-        if self.batch_size % self.grad_accum:
-            raise ConfigError(
-                f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches"
-            )
+
+    def _check_model_and_data(self) -> None:
+        """--model, --dataset, --collate and --forward: a built-in name or an import path."""
         for name, builtins in (("model", MODELS), ("dataset", DATASETS)):
             value = getattr(self, name)
             if value not in builtins and not IMPORT_PATH.match(value):
@@ -313,7 +336,9 @@ class TrainConfig:
         if self.forward is not None and self.forward not in FORWARDS and not IMPORT_PATH.match(self.forward):
             raise ConfigError(f"unknown forward {self.forward!r}; choose from {', '.join(FORWARDS)}, or give an import "
                               "path pkg.module:function")
-        self._checkpoint_parts()  # parses --checkpoint-every
+
+    def _check_optimizer_setup(self) -> None:
+        """--optimizer and --scheduler (a built-in name or an import path), --unfreeze-at and --layer-decay."""
         for name, builtins in (("optimizer", OPTIMIZERS), ("scheduler", SCHEDULERS)):
             value = getattr(self, name)
             if value not in builtins and not IMPORT_PATH.match(value):
@@ -323,6 +348,9 @@ class TrainConfig:
             raise ConfigError("--unfreeze-at takes an epoch from 1 on, with --freeze")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise ConfigError(f"--layer-decay takes a factor in (0, 1], got {self.layer_decay}")
+
+    def _check_lora(self) -> None:
+        """--lora RANK and the options that apply only with it."""
         if self.lora is not None and self.lora <= 0:
             raise ConfigError(f"--lora takes a positive rank, got {self.lora}")
         lora_options = [n for n in ("lora_alpha", "lora_targets") if getattr(self, n) is not None]
@@ -335,10 +363,6 @@ class TrainConfig:
             raise ConfigError(f"--lora-dropout takes a probability from 0 to below 1, got {self.lora_dropout}")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ConfigError(f"--lora-alpha must be positive, got {self.lora_alpha}")
-        if self.nesterov and self.optimizer != "sgd":
-            raise ConfigError("--nesterov applies to --optimizer sgd only")
-        self._check_trackers()
-        return self
 
     def _check_trackers(self) -> None:
         """--log-with's names and --project (which trackers are installed is checked at start: trackers.chosen)."""

@@ -52,7 +52,7 @@ def main() -> None:
         Accelerator.save_state = dying_save_state
 
     if args.poison is not None:
-        from acc_trainer.data.datasets import datasets as data
+        from acc_trainer.data import datasets as data
 
         synthetic = data.DATASETS["synthetic"]
 

@@ -161,7 +161,7 @@ def test_a_nan_on_one_process_stops_all_of_them(tmp_path):
 
 
 def test_skip_nonfinite_steps_are_skipped_and_counted(train_in_process, monkeypatch):
-    from acc_trainer.data.datasets import datasets as data
+    from acc_trainer.data import datasets as data
 
     synthetic = data.DATASETS["synthetic"]
 

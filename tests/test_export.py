@@ -28,13 +28,14 @@ def runs(tmp_path_factory):
 def _trained_model_and_inputs(run):
     """The run's model as a user rebuilds it (its config, its factory under its seed) and 3 evaluation images."""
     import acc_trainer
-    from acc_trainer.workload.components import build_data, build_model, first_samples
+    from acc_trainer.workload.components import build_data, build_model
+    from acc_trainer.workload.first_batch import first_samples
 
     cfg = acc_trainer.parse_config(["--config", str(run / "config.yaml")])
     acc_trainer.set_seed(cfg.seed)
     data = build_data(cfg)
     model = build_model(cfg, data).eval()
-    images, _ = first_samples(data.eval, 3)
+    images, _ = first_samples(data.eval, data.kind.eval, 3)
     return model, images
 
 

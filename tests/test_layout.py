@@ -1,6 +1,7 @@
-"""The house: no import circle, the tools apart from the core, functions a reader can hold in their
-head, a training-steps file short enough to read in one sitting, and every Accelerate call where
-docs/layout.md says it is."""
+"""The house: sub-packages named for their concern whose imports run one way (the table in docs/layout.md), no
+import circle, the tools and the command line apart from the core, no flag one module sets for another, functions
+and modules a reader can hold in their head, a training-steps file short enough to read in one sitting, and every
+Accelerate call where docs/layout.md says it is."""
 
 import ast
 import re
@@ -8,7 +9,13 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "acc_trainer"
+LAYOUT = PACKAGE.parent / "docs" / "layout.md"
 LONGEST = 80  # lines of one function, decorators and docstring included
+LONGEST_IN_THE_RUN = 60  # in the training run's package and the command line
+LONGEST_MODULE = 600
+TOP_LEVEL_AT_MOST = 10
+BASE = ("config", "flags", "patches", "stopping")  # the top-level modules every layer may import
+COMMAND_LINE = ("cli", "__main__")
 
 
 def modules() -> dict[str, ast.Module]:
@@ -48,9 +55,31 @@ def graph() -> dict[str, set[str]]:
     return {name: imports(name, tree, set(trees)) for name, tree in trees.items()}
 
 
+def part(module: str) -> str:
+    """The part of the house a module belongs to: a sub-package's name, `base` or `command line`."""
+    parts = module.split(".")
+    if len(parts) == 2 and parts[1] in BASE:
+        return "base"
+    if len(parts) == 2 and parts[1] in COMMAND_LINE:
+        return "command line"
+    return parts[1] if len(parts) > 1 else "acc_trainer"
+
+
+def documented_layers() -> dict[str, set[str]]:
+    """docs/layout.md's table of parts: each part, and the parts it may import."""
+    table = LAYOUT.read_text().split("## The parts and what each may import")[1].split("\n## ")[0]
+    found = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            name = cells[0].strip("`").removeprefix("acc_trainer/").strip("/")
+            found[name] = set(re.findall(r"`([\w ]+)`", cells[2]))
+    return found
+
+
 def test_no_import_circle():
     edges = graph()
-    assert "acc_trainer.training.loop" in edges and "acc_trainer.training.setup" in edges["acc_trainer.training.loop"]  # the graph is read
+    assert "acc_trainer.training.loop" in edges and "acc_trainer.training.setup" in edges["acc_trainer.training.loop"]
     circles, done = [], set()
 
     def visit(node: str, path: list[str]) -> None:
@@ -68,34 +97,76 @@ def test_no_import_circle():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
-def test_the_core_never_imports_the_tools():
+def test_the_parts_import_one_way_as_the_docs_say():
+    """Every import between two parts of the house is one the table in docs/layout.md allows; the table itself runs
+    one way (no part may import a part that may import it) and names every sub-package there is."""
+    layers = documented_layers()
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert packages and packages <= set(layers), f"sub-packages missing from docs/layout.md: {packages - set(layers)}"
+    assert {"base", "command line"} <= set(layers)
+    for name, allowed in layers.items():
+        back = [other for other in allowed if name in layers.get(other, ())]
+        assert not back, f"{name} and {back} may import each other"
+    wrong = []
+    for module, targets in graph().items():
+        for target in targets:
+            a, b = part(module), part(target)
+            if a != b and a != "acc_trainer" and b not in layers[a]:
+                wrong.append(f"{module} -> {target} ({a} may not import {b})")
+    assert not wrong, wrong
+
+
+def test_each_sub_package_says_what_it_holds_and_may_import():
+    layers = documented_layers()
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        said = re.search(r"May import: (.*)\.", doc)
+        assert len(doc) > 80 and said, f"{init}: a docstring saying what it holds, then 'May import: ...'"
+        words = re.sub(r"\(.*?\)", "", said[1]).replace(" and ", ", ").split(",")
+        named = {"base" if w.strip() == "the base" else w.strip() for w in words}
+        assert named == layers[init.parent.name], (init, named, layers[init.parent.name])
+
+
+def test_the_core_never_imports_the_tools_or_the_command_line():
     edges = graph()
-    core = [name for name in edges if not name.startswith("acc_trainer.tools")]
-    offenders = {name: sorted(t for t in edges[name] if t.startswith("acc_trainer.tools"))
-                 for name in core if name != "acc_trainer.cli"}  # the command line dispatches to them
+    core = [name for name in edges if part(name) not in ("tools", "command line")]
+    offenders = {name: sorted(t for t in edges[name] if part(t) in ("tools", "command line")) for name in core}
     assert not any(offenders.values()), offenders
-    assert any(t.startswith("acc_trainer.tools") for t in edges["acc_trainer.cli"])
+    assert any(part(t) == "tools" for t in edges["acc_trainer.cli"])  # the command line dispatches to them
+    below = [name for name in edges if part(name) not in ("training", "trained", "tools", "command line", "acc_trainer")]
+    upward = {name: sorted(t for t in edges[name] if part(t) == "training") for name in below}
+    assert not any(upward.values()), upward
 
 
-def test_every_function_fits_in_a_readers_head():
-    long = []
+def test_few_modules_at_the_top():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_AT_MOST, top
+
+
+def test_every_function_and_module_fits_in_a_readers_head():
+    long, longest = [], []
     for name, tree in modules().items():
+        cap = LONGEST_IN_THE_RUN if part(name) in ("training", "command line") else LONGEST
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                if node.end_lineno - start + 1 > LONGEST:
-                    long.append(f"{name}.{node.name}: {node.end_lineno - start + 1} lines")
+                if node.end_lineno - start + 1 > cap:
+                    long.append(f"{name}.{node.name}: {node.end_lineno - start + 1} lines (at most {cap})")
+    for path in PACKAGE.rglob("*.py"):
+        if len(path.read_text().splitlines()) > LONGEST_MODULE:
+            longest.append(f"{path.relative_to(PACKAGE)}: {len(path.read_text().splitlines())} lines")
     assert not long, long
+    assert not longest, longest
 
 
 def test_the_training_steps_read_in_one_sitting():
     """loop.py holds the steps (epoch, micro-batch, optimizer step, gradient normalisation, logging, checkpoint,
     stop) and reads as a recipe: setup, one epoch, evaluation (evaluate_now), finish; setup, evaluation, the summary and the
     public API live beside it."""
-    loop = (PACKAGE / "loop.py").read_text()
+    loop = (PACKAGE / "training" / "loop.py").read_text()
     assert len(loop.splitlines()) <= 500
     for module in ("setup", "evaluation", "summary", "api"):
-        assert (PACKAGE / f"{module}.py").is_file(), module
+        assert (PACKAGE / "training" / f"{module}.py").is_file(), module
     run = next(n for n in ast.parse(loop).body if isinstance(n, ast.FunctionDef) and n.name == "run")
     calls = sorted((n.lineno, n.col_offset, n.func.id) for n in ast.walk(run)
                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
@@ -104,43 +175,104 @@ def test_the_training_steps_read_in_one_sitting():
         ["setup", "train_epoch", "evaluate_now", "finish"]
 
 
-def test_no_bags_and_no_globals_that_steer():
-    """No function returns a tuple of more than three things, and no module rebinds a global of its own (a
-    flag set by one module for another, a cache that outlives a run)."""
-    wide, rebound = [], []
-    for name, tree in modules().items():
+MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "OrderedDict", "deque", "Counter", "ContextVar", "local",
+                 "WeakValueDictionary", "WeakKeyDictionary"}
+MUTATORS = {"append", "extend", "insert", "add", "update", "setdefault", "pop", "popitem", "clear", "remove",
+            "discard", "set", "reset", "__setitem__"}
+
+
+def module_state(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level to something that can change in place (a list, dict or set, a
+    ContextVar, a thread-local)."""
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        call = value.func.attr if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) else \
+            value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None
+        if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) or \
+                call in MUTABLE_CALLS:
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def changed_in_place(tree: ast.Module, names: set[str]) -> list[str]:
+    """Where a function changes one of `names` (the module's own, or another module's through its attribute):
+    an item set or deleted, or a mutating method called."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            target = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for t in node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]:
+                    if isinstance(t, ast.Subscript):
+                        target = t.value
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                target = node.func.value
+            name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) \
+                else None
+            if name in names:
+                found.append(f"{fn.name}:{node.lineno} changes {name}")
+    return found
+
+
+def test_no_bags_and_no_state_that_steers():
+    """No function returns a tuple of more than three things, and no module keeps state one module sets for another or
+    that outlives a run: no `global` statement, no ContextVar, no module-level list, dict or set changed in place."""
+    trees = modules()
+    shared = {name for tree in trees.values() for name in module_state(tree)}
+    wide, rebound, steering = [], [], []
+    for name, tree in trees.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) and len(node.value.elts) > 3:
                 wide.append(f"{name}:{node.lineno}")
             if isinstance(node, ast.Global):
                 rebound.append(f"{name}:{node.lineno} {node.names}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                    "contextvars" in (getattr(node, "module", None) or a.name) for a in node.names):
+                steering.append(f"{name}:{node.lineno} imports contextvars")
+        steering += [f"{name}.{where}" for where in changed_in_place(tree, shared)]
     assert not wide, wide
     assert not rebound, rebound
+    assert not steering, steering
+
+
+def test_the_state_rules_catch_what_they_name():
+    """The rules above, on code that breaks them: a ContextVar one module sets, a module-level registry filled at run
+    time, a list a run appends to."""
+    tree = ast.parse("import contextvars\nSEEN = []\nFLAG = contextvars.ContextVar('f')\nREGISTRY = {}\n"
+                     "def f():\n    SEEN.append(1)\n    FLAG.set(True)\n    REGISTRY['x'] = 1\n")
+    assert module_state(tree) == {"SEEN", "FLAG", "REGISTRY"}
+    assert len(changed_in_place(tree, module_state(tree))) == 3
+    other = ast.parse("from . import runfiles\ndef g():\n    runfiles.FLAG.set(('model',))\n")
+    assert changed_in_place(other, {"FLAG"}) == ["g:3 changes FLAG"]
 
 
 def accelerate_calls() -> dict[str, set[str]]:
     """Where the core calls Accelerate: each method called on an Accelerator (`accelerator.x(...)`, or
-    `r.accelerator.x(...)`) and the constructor, by module file."""
+    `r.accelerator.x(...)`) and the constructor, by module file (relative to the package)."""
     found = defaultdict(set)
     for path in sorted(PACKAGE.rglob("*.py")):
         if "tools" in path.parts:
             continue
+        where = path.relative_to(PACKAGE).as_posix()
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
             f = node.func
             if isinstance(f, ast.Name) and f.id == "Accelerator":
-                found["Accelerator(...)"].add(path.name)
+                found["Accelerator(...)"].add(where)
             elif isinstance(f, ast.Attribute) and (isinstance(f.value, ast.Name) and f.value.id == "accelerator" or
                                                    isinstance(f.value, ast.Attribute) and f.value.attr == "accelerator"):
-                found[f.attr].add(path.name)
+                found[f.attr].add(where)
     return found
 
 
 def documented_calls() -> dict[str, set[str]]:
     """docs/layout.md's table of Accelerate calls: each call, and the modules it is made in."""
-    text = (PACKAGE.parent / "docs" / "layout.md").read_text()
-    table = text.split("## Where Accelerate is called")[1].split("\n## ")[0]
+    table = LAYOUT.read_text().split("## Where Accelerate is called")[1].split("\n## ")[0]
     found = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -328,7 +328,7 @@ def test_the_examples_run(tmp_path, main_in_process, monkeypatch):
 
 def test_built_in_names_match_the_registries():
     from acc_trainer import config
-    from acc_trainer.data.datasets import datasets as data
+    from acc_trainer.data import datasets as data
     from acc_trainer.workload import models
 
     assert config.MODELS == tuple(models.MODELS) and config.DATASETS == tuple(data.DATASETS)

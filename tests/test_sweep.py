@@ -158,7 +158,7 @@ def test_a_bad_space_file_is_one_line(space, error, tmp_path):
 
 
 def test_the_direction_follows_the_metric(tmp_path):
-    from acc_trainer.tools.sweep import read_space
+    from acc_trainer.tools.sweep_space import read_space
 
     for metric, direction in (("loss", "minimize"), ("accuracy", "maximize"), ("perplexity", "minimize")):
         space = read_space(write_space(tmp_path, metric=metric, search={"lr": {"float": ["1e-4", 0.1], "log": True}}))

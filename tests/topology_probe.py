@@ -28,6 +28,7 @@ from torch.utils.data import TensorDataset
 
 from acc_trainer.config import make_config
 from acc_trainer.data.datasets import Data
+from acc_trainer.data.kinds import settle
 from acc_trainer.data.loaders import build_loaders, dataloader_config
 from acc_trainer.distributed.processes import ranks_agree
 from acc_trainer.training.api import train
@@ -54,7 +55,7 @@ def run_order(job: dict) -> dict:
                               gradient_accumulation_steps=cfg.grad_accum)
     n = cfg.train_size
     indices = TensorDataset(torch.arange(n), torch.zeros(n))
-    data = Data(indices, indices, "regression", None, (1,))
+    data = settle(Data(indices, indices, "regression", None, (1,)), cfg.data_pipeline)
     loader = accelerator.prepare(build_loaders(cfg, data, accelerator.num_processes, accelerator.device)[0])
     epochs = []
     for _ in range(cfg.epochs):

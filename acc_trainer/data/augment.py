@@ -25,6 +25,7 @@ holds (with 2 processes those batches are halves, so v2's pairs would depend on 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -229,27 +230,26 @@ def trivial_augment(x, u: torch.Tensor):
     return torch.stack(out)
 
 
-_QUANTILES: dict[tuple, torch.Tensor] = {}  # (alpha, device): copied to a device once, not every batch
-
-
 def beta_quantile(alpha: float, u: torch.Tensor) -> torch.Tensor:
-    """The Beta(alpha, alpha) quantile of u, from a table: torch samples Beta only from its global RNG.
+    """The Beta(alpha, alpha) quantile of u, from a table: torch samples Beta only from its global RNG."""
+    table = _quantile_table(alpha, u.device)
+    position = u.double() * (len(table) - 1)
+    low = position.floor().long().clamp(max=len(table) - 2)
+    return torch.lerp(table[low], table[low + 1], position - low)
+
+
+@functools.lru_cache(maxsize=16)  # a pure function of its arguments: copied to a device once, not every batch
+def _quantile_table(alpha: float, device: torch.device) -> torch.Tensor:
+    """The Beta(alpha, alpha) quantile function on a grid of u in [0, 1].
 
     The table integrates the density once: with s = x**alpha the integrand of the CDF on [0, 1/2] is
     (1 - s**(1/alpha))**(alpha - 1), bounded there; the upper half follows from symmetry.
     """
-    if (alpha, u.device) in _QUANTILES:
-        table = _QUANTILES[alpha, u.device]
-    else:
-        s = np.linspace(0.0, 0.5**alpha, 200_001)
-        f = (1 - s ** (1 / alpha)) ** (alpha - 1)
-        cdf = np.concatenate([[0.0], np.cumsum((f[1:] + f[:-1]) / 2 * np.diff(s))])
-        cdf = 0.5 * cdf / cdf[-1]
-        x = s ** (1 / alpha)
-        grid = np.linspace(0.0, 0.5, 4097)
-        lower = np.interp(grid, cdf, x)
-        table = torch.from_numpy(np.concatenate([lower, 1 - lower[-2::-1]])).to(u.device)  # over u in [0, 1]
-        _QUANTILES[alpha, u.device] = table
-    position = u.double() * (len(table) - 1)
-    low = position.floor().long().clamp(max=len(table) - 2)
-    return torch.lerp(table[low], table[low + 1], position - low)
+    s = np.linspace(0.0, 0.5**alpha, 200_001)
+    f = (1 - s ** (1 / alpha)) ** (alpha - 1)
+    cdf = np.concatenate([[0.0], np.cumsum((f[1:] + f[:-1]) / 2 * np.diff(s))])
+    cdf = 0.5 * cdf / cdf[-1]
+    x = s ** (1 / alpha)
+    grid = np.linspace(0.0, 0.5, 4097)
+    lower = np.interp(grid, cdf, x)
+    return torch.from_numpy(np.concatenate([lower, 1 - lower[-2::-1]])).to(device)  # over u in [0, 1]

@@ -17,16 +17,42 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import BatchSampler, Dataset, TensorDataset
 
 from ..config import ConfigError, TrainConfig, first_line
 
+IGNORE_INDEX = -100  # a target the loss leaves out (torch's cross-entropy default; Hugging Face labels use it)
 NUM_SYNTHETIC_CLASSES = 10
 CIFAR_MEAN_STD = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+
+
+@dataclass(frozen=True)
+class SetKind:
+    """How one set is read, decided where the run's data is built (kinds.settle)."""
+
+    stream: bool  # an iterable dataset: each process reads its share in order (streams.py); else map-style
+    in_memory: bool  # tensors held in memory (a TensorDataset or InMemory, not a subclass with its own __getitem__)
+    batched: bool  # in memory and served a whole batch per gather (--data-pipeline batched, no collate function)
+    guarded: bool  # samples come from code that may fail to open one (files): read through faults.Guarded
+    length: int | None  # samples; None for a stream that does not say (learnt in its first epoch)
+
+
+@dataclass(frozen=True)
+class DataKind:
+    """The kinds of a run's training and evaluation sets (`eval` None: no evaluation set)."""
+
+    train: SetKind
+    eval: SetKind | None
+    packed: bool  # --pack: the sets are blocks of documents (packing.Packed)
+
+    @property
+    def streams(self) -> bool:
+        """Whether either set is a stream (the loaders, the checks of both then go the stream's way)."""
+        return self.train.stream or (self.eval is not None and self.eval.stream)
 
 
 @dataclass
@@ -39,6 +65,7 @@ class Data:
     raw: RawImages | None = None  # for augmentation; None: the training set cannot be augmented
     heads: Heads = field(default_factory=lambda: Heads(), compare=False, repr=False)  # its streams' first samples
     notes: list[str] = field(default_factory=list, compare=False)  # what the checks of its labels found
+    kind: DataKind | None = field(default=None, compare=False)  # decided once by kinds.settle where the data is built
 
 
 class Heads:
@@ -221,48 +248,6 @@ class IndexBatches(BatchSampler):
                 yield batch
 
 
-class Guarded(Dataset):
-    """A dataset read from files, whose samples may not open (a truncated image, a vanished file).
-
-    Yields `(sample, -1)`, or for a sample that raises OSError `(stand-in, index)`: the last good
-    sample takes its place, so that the batch still forms (and every process still makes its step,
-    as DDP needs), and the index travels with the batch, through DataLoader workers too. The loop then
-    stops with a line naming the file, or skips the step (--skip-bad-samples). Other exceptions are
-    bugs in the dataset's code and pass through.
-    """
-
-    def __init__(self, base: Dataset):
-        self.base, self._last_good = base, None
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, index: int):
-        try:
-            sample = self.base[index]
-        except OSError:
-            return self._stand_in(index), index
-        self._last_good = sample
-        return sample, -1
-
-    def _stand_in(self, index: int):
-        for other in range(index + 1, index + 1 + len(self.base)):
-            if self._last_good is not None:
-                return self._last_good
-            try:
-                self._last_good = self.base[other % len(self.base)]
-            except OSError:
-                continue
-        raise OSError(f"no sample of {type(self.base).__name__} can be read")
-
-    @staticmethod
-    def collate(items: list, collate=None) -> tuple:
-        from torch.utils.data import default_collate
-
-        # The indices as plain ints: moved to no device, read without waiting for one.
-        return (collate or default_collate)([sample for sample, _ in items]), [index for _, index in items]
-
-
 class Uncollated:
     """An evaluation batch's samples, collated only once the loop knows how many of them are real.
 
@@ -286,59 +271,6 @@ class Uncollated:
     def later(samples: list, collate) -> "Uncollated":
         """The evaluation loader's collate_fn (with functools.partial): picklable for workers."""
         return Uncollated(samples, collate)
-
-
-def is_stream(dataset) -> bool:
-    """An iterable dataset: torch's IterableDataset (Hugging Face `datasets` streams are), or any object that
-    can be iterated but not indexed."""
-    if dataset is None:
-        return False
-    if isinstance(dataset, IterableDataset):
-        return True
-    return hasattr(dataset, "__iter__") and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))
-
-
-def length(dataset) -> int | None:
-    """The number of samples a stream says it has (`__len__`), else None (learnt in its first epoch)."""
-    try:
-        return int(len(dataset))
-    except (TypeError, NotImplementedError, AttributeError):
-        return None
-
-
-def reads_files(dataset: Dataset) -> bool:
-    """Whether samples may fail to open: anything but tensors already in memory (a stream's read errors
-    are its loader's, streams.py)."""
-    return not is_stream(dataset) and not isinstance(dataset.base if isinstance(dataset, PerSample) else dataset, TensorDataset)
-
-
-def sample_name(dataset: Dataset, index: int) -> str:
-    """`path/to/file (OSError: why)` for ImageFolder-like datasets, else `sample N (...)`."""
-    samples = getattr(dataset, "samples", None)
-    name = str(samples[index][0]) if isinstance(samples, list) and index < len(samples) else f"sample {index}"
-    try:
-        dataset[index]
-    except OSError as e:
-        return f"{name} ({type(e).__name__}: {first_line(e)})"
-    return name
-
-
-def unreadable_samples(dataset: Dataset, collate=None) -> list[str]:
-    """Opens every sample once: the names of those that cannot be read (or, with a collate function,
-    that it cannot batch, each alone)."""
-    bad = []
-    for index in range(len(dataset)):
-        try:
-            sample = dataset[index]
-        except OSError:
-            bad.append(sample_name(dataset, index))
-            continue
-        if collate is not None:
-            try:
-                collate([sample])
-            except Exception as e:  # noqa: BLE001 - named in the list, whatever the collate function raised
-                bad.append(f"sample {index} (the collate function raised {type(e).__name__}: {first_line(e)})")
-    return bad
 
 
 def synthetic(config: TrainConfig) -> Data:
@@ -531,13 +463,13 @@ DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
 def check_data(data: Data, batch_size: int, name: str) -> None:
     """Empty sets, or a training set shorter than one global batch, are one line (streams: at their start,
     by their loaders)."""
-    if is_stream(data.train) or is_stream(data.eval):
+    if data.kind.streams:
         return
-    if data.eval is not None and len(data.eval) == 0:
+    if data.eval is not None and data.kind.eval.length == 0:
         raise ConfigError(f"the evaluation set of {name} is empty")
-    if len(data.train) < batch_size:
+    if data.kind.train.length < batch_size:
         raise ConfigError(
-            f"the training set of {name} has {len(data.train)} samples, fewer than one global batch "
+            f"the training set of {name} has {data.kind.train.length} samples, fewer than one global batch "
             f"(--batch-size {batch_size})"
         )
 
@@ -545,5 +477,5 @@ def check_data(data: Data, batch_size: int, name: str) -> None:
 def steps_per_epoch(data: Data, config: TrainConfig) -> int | None:
     """Whole global batches per epoch; the last incomplete one is dropped so every step sees a full batch.
     None for a stream that does not say its length (learnt in its first epoch)."""
-    size = length(data.train) if is_stream(data.train) else len(data.train)
+    size = data.kind.train.length
     return None if size is None else math.floor(size / config.batch_size)

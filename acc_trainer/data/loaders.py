@@ -15,23 +15,13 @@ from typing import Callable
 
 import torch
 from accelerate import DataLoaderConfiguration
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler
 
 from ..config import TrainConfig
 from . import augment as augmentation
-from .datasets import (
-    DATASETS,
-    Data,
-    Guarded,
-    IndexBatches,
-    InMemory,
-    Uncollated,
-    augmented,
-    is_stream,
-    one_at_a_time,
-    reads_files,
-    steps_per_epoch,
-)
+from .datasets import DATASETS, Data, IndexBatches, InMemory, Uncollated, augmented, one_at_a_time, steps_per_epoch
+from .faults import Guarded
+from .kinds import SetKind
 from .streams import StreamLoader
 
 
@@ -53,7 +43,8 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
     `streams.StreamLoader` instead, which already holds this process's share (`rank`; `agree` sums numbers
     over the processes), checked at its start."""
     per_process = cfg.eval_batch_size or cfg.batch_size // (world * cfg.grad_accum)
-    if is_stream(data.train) or is_stream(data.eval):
+    kind = data.kind
+    if kind.streams:
         return _with_streams(cfg, data, world, device, augment, collate, rank, agree, name, per_process)
     per_epoch = steps_per_epoch(data, cfg)
     # Exactly `per_epoch` whole global batches per epoch (the first per_epoch x batch_size indices of
@@ -61,14 +52,12 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
     # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
     sampler = RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size)
     micro_batch = cfg.batch_size // cfg.grad_accum
-    # A collate function takes samples one at a time, from the built-in datasets held in memory too.
-    placed = partial(_placed, cfg=replace(cfg, data_pipeline="per-sample") if collate else cfg, device=device)
-    train_set = placed(augmented(data.raw, augment) if augment else data.train)
-    eval_set = placed(data.eval) if data.eval is not None else None
+    train_set = placed(augmented(data.raw, augment) if augment else data.train, kind.train, device)
+    eval_set = placed(data.eval, kind.eval, device) if data.eval is not None else None
     workers = cfg.num_workers
     if workers is None:  # workers for the built-in datasets read per sample; a user's may not survive spawn
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        per_sample = not (isinstance(train_set, InMemory) and cfg.data_pipeline == "batched")
+        per_sample = not kind.train.batched
         workers = min(8, max(1, (os.cpu_count() or 1) // local - 1)) if per_sample and cfg.dataset in DATASETS else 0
 
     def loading(dataset) -> dict:
@@ -76,11 +65,11 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
             return {"num_workers": 0, "pin_memory": False}
         return {"num_workers": workers, "pin_memory": device.type == "cuda", "persistent_workers": workers > 0}
 
-    if isinstance(train_set, InMemory) and cfg.data_pipeline == "batched":  # whole batches at once
+    if kind.train.batched:  # whole batches at once
         batching = {"batch_sampler": IndexBatches(sampler, micro_batch), "collate_fn": InMemory.collate}
     else:
         batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True, "collate_fn": collate}
-        if reads_files(train_set):
+        if kind.train.guarded:
             train_set, batching["collate_fn"] = Guarded(train_set), partial(Guarded.collate, collate=collate)
     # Each loader draws its workers' base seed from a generator of its own at every iteration, not from
     # the global RNG: a resumed run starts a new iteration mid-epoch, which would shift every random
@@ -89,24 +78,25 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
                               **batching)
     if eval_set is None:
         return train_loader, None
-    return train_loader, evaluation_loader(eval_set, per_process * world, cfg.seed, loading(eval_set), collate)
+    return train_loader, evaluation_loader(eval_set, kind.eval, per_process * world, cfg.seed, loading(eval_set), collate)
 
 
 def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device, augment, collate, rank: int,
                   agree: Callable | None, name: str, per_process: int) -> tuple:
     """Loaders when the training or the evaluation set is a stream (the other one may be map-style);
     `per_process`: the evaluation batch of one process."""
-    if is_stream(data.train):
+    if data.kind.train.stream:
         train_loader = StreamLoader(data.train, cfg.batch_size, cfg.grad_accum, world, rank, collate, device, agree, name,
                                     workers=stream_workers(cfg), seed=cfg.seed)
         train_loader.check_start("training", cfg.batch_size, data.heads)
     else:
-        train_loader = build_loaders(cfg, replace(data, eval=None), world, device, augment, collate)[0]
+        train_loader = build_loaders(cfg, replace(data, eval=None, kind=replace(data.kind, eval=None)), world, device, augment,
+                                     collate)[0]
     if data.eval is None:
         return train_loader, None
-    if not is_stream(data.eval):
-        placed = _placed(data.eval, replace(cfg, data_pipeline="per-sample") if collate else cfg, device)
-        return train_loader, evaluation_loader(placed, per_process * world, cfg.seed, None, collate)
+    if not data.kind.eval.stream:
+        eval_set = placed(data.eval, data.kind.eval, device)
+        return train_loader, evaluation_loader(eval_set, data.kind.eval, per_process * world, cfg.seed, None, collate)
     return train_loader, stream_evaluation(cfg, data.eval, per_process * world, world, rank, collate, device, agree, name,
                                            data.heads)
 
@@ -114,7 +104,7 @@ def _with_streams(cfg: TrainConfig, data: Data, world: int, device: torch.device
 def stream_evaluation(cfg: TrainConfig, dataset, global_batch: int, world: int, rank: int, collate: Callable | None,
                       device: torch.device, agree: Callable | None, name: str, heads=None) -> StreamLoader:
     """The loader of an evaluation stream (every sample once, in shares of `global_batch`), checked at its start
-    (`heads`: the run's first samples already read, data.Heads)."""
+    (`heads`: the run's first samples already read, datasets.Heads)."""
     loader = StreamLoader(dataset, global_batch, 1, world, rank, collate, device, agree, name, train=False,
                           workers=stream_workers(cfg), seed=cfg.seed)
     loader.check_start("evaluation", 1, heads)
@@ -128,15 +118,15 @@ def stream_workers(cfg: TrainConfig) -> int:
     return min(cfg.num_workers or 0, 1)
 
 
-def evaluation_loader(dataset, global_batch: int, seed: int, loading: dict | None = None,
+def evaluation_loader(dataset, kind: SetKind, global_batch: int, seed: int, loading: dict | None = None,
                       collate: Callable | None = None) -> DataLoader:
-    """The dataset in its order, `global_batch` samples a batch (Accelerate splits each between the
-    processes and pads the last one; evaluation and prediction leave that padding out)."""
-    guarded = reads_files(dataset)
+    """The dataset (as `placed` serves it) in its order, `global_batch` samples a batch (Accelerate splits each
+    between the processes and pads the last one; evaluation and prediction leave that padding out)."""
+    guarded = kind.guarded
     if guarded:
         eval_collate = partial(Guarded.collate, collate=collate)
     else:
-        eval_collate = InMemory.collate if isinstance(dataset, InMemory) else collate
+        eval_collate = InMemory.collate if kind.batched else collate
     if collate:
         eval_collate = partial(Uncollated.later, collate=eval_collate)
     return DataLoader(Guarded(dataset) if guarded else dataset, batch_size=global_batch, shuffle=False,
@@ -152,12 +142,13 @@ def on_device(loader: DataLoader | None, device: torch.device) -> bool:
     return where.type == device.type and device.index in (None, where.index)
 
 
-def _placed(dataset, cfg: TrainConfig, device: torch.device):
-    """Tensors in memory are served a batch at a time (`--data-pipeline batched`), from the training
-    device when they take at most half of its free memory; or one sample at a time (`per-sample`)."""
-    if type(dataset) not in (TensorDataset, InMemory):  # a subclass may have a __getitem__ of its own
+def placed(dataset, kind: SetKind, device: torch.device):
+    """Tensors in memory are served a batch at a time (the batched path), from the training device when they
+    take at most half of its free memory; or one sample at a time (the per-sample path: `--data-pipeline
+    per-sample`, or a collate function, which takes samples). Other datasets as they are."""
+    if not kind.in_memory:  # a subclass of TensorDataset may have a __getitem__ of its own
         return dataset
-    if cfg.data_pipeline == "per-sample":  # one sample per __getitem__, collated by the DataLoader
+    if not kind.batched:  # one sample per __getitem__, collated by the DataLoader
         return one_at_a_time(dataset)
     if not isinstance(dataset, InMemory):
         dataset = InMemory(*dataset.tensors)

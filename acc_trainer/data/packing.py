@@ -16,7 +16,8 @@ model's labels are shifted inside it), and on the padding at the block's end (to
 counting from 0 as a document of its own). There is no `attention_mask`: transformers' models then read the
 documents' boundaries from where the position ids restart and attend within each document only
 (transformers' masking_utils.find_packed_sequence_indices) - not every architecture does (OPT, Falcon, Bloom
-and MPT attend across), so `check_attention` proves it on the run's own model before training.
+and MPT attend across), so the first-sample check proves it on the run's own model before training
+(workload/first_batch.py: `check_attention`).
 """
 
 from __future__ import annotations
@@ -24,17 +25,15 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Mapping
 from numbers import Integral
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, IterableDataset
 
-from ..config import ConfigError, first_line
-from ..workload import losses
-from .datasets import is_stream
+from ..config import ConfigError
+from .datasets import IGNORE_INDEX
 
 KEYS = ("input_ids", "labels", "attention_mask")  # what a document given as a dict may hold
-MISFITS = (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError, NotImplementedError)
 
 
 class Packed(Dataset):
@@ -58,7 +57,7 @@ class Packed(Dataset):
             raise IndexError(f"block {index} of {len(self)}")
         index %= len(self)
         ids = torch.full((self.length,), self.pad_id, dtype=torch.long)
-        labels = torch.full((self.length,), losses.IGNORE_INDEX, dtype=torch.long)
+        labels = torch.full((self.length,), IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros(self.length, dtype=torch.long)
         at = 0
         for doc, start, stop in self._pieces[self._first[index]:self._first[index + 1]].tolist():
@@ -147,10 +146,10 @@ def pack(dataset, length: int, name: str | None = None, pad_id: int = 0) -> Pack
         if dataset.length != length:
             raise ConfigError(f"--pack {length}: {name} is packed already, in blocks of {dataset.length}")
         return dataset
-    if is_stream(dataset):
-        raise ConfigError(f"--pack: {name} is a stream ({type(dataset).__name__}); packing plans its blocks from every "
-                          "document's length, so it takes a map-style dataset (__getitem__ and __len__)")
-    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        if isinstance(dataset, IterableDataset) or hasattr(dataset, "__iter__"):  # a stream (kinds.is_stream)
+            raise ConfigError(f"--pack: {name} is a stream ({type(dataset).__name__}); packing plans its blocks from "
+                              "every document's length, so it takes a map-style dataset (__getitem__ and __len__)")
         raise ConfigError(f"--pack: {name} is a {type(dataset).__name__}, not a map-style dataset of documents")
     return Packed(dataset, length, name, pad_id)
 
@@ -161,53 +160,6 @@ def pack_sets(train, eval_, length: int | None, name: str) -> tuple[Any, Any]:
     if length is None:
         return train, eval_
     return pack(train, length, name), pack(eval_, length, f"{name} (evaluation)") if eval_ is not None else None
-
-
-# ----------------------------------------------------------------------- attention within each document
-
-
-def check_attention(model, collate: Callable | None, forward: Callable | None, dataset, model_name: str) -> None:
-    """For a packed set, proves on the model itself, through the run's collate and forward functions, that a
-    document's outputs do not depend on the document before it in its block (raises ConfigError, one line,
-    when they do, or when the model takes no position_ids); nothing for another set. Two forward passes in
-    evaluation mode, on the first tokens of the first block cut into two documents, the first of them changed
-    in the second pass: with attention within each document the second document's logits are the same to the
-    last bit (the other document's attention weights are exact zeros), else they move."""
-    if not isinstance(dataset, Packed):
-        return
-    tokens = dataset[0]["input_ids"][:min(dataset.length, 32)]
-    half = len(tokens) // 2
-    first, second = tokens[:half], tokens[half:]
-    other = next((c for c in (second[:half], first.flip(0), first.roll(1), torch.full_like(first, dataset.pad_id))
-                  if len(c) == half and not torch.equal(c, first)), None)
-    if half < 1 or other is None:
-        return  # too few tokens, or all the same token: nothing to tell the documents apart by
-    positions = torch.cat([torch.arange(half), torch.arange(len(second))])
-    labels = tokens.clone()
-    labels[[0, half]] = losses.IGNORE_INDEX
-    logits = []
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for before in (first, other):
-                block = {"input_ids": torch.cat([before, second]), "labels": labels, "position_ids": positions}
-                outputs, _ = (forward or losses.forward)(model, (collate or default_collate)([block]))
-                logits.append(losses.predictions(outputs)[0, half:].float())
-    except MISFITS as e:
-        what = "does not take position_ids" if "position_ids" in str(e) else "does not take packed blocks"
-        raise ConfigError(f"--pack: model {model_name} {what} ({type(e).__name__}: {first_line(e)}), so packed "
-                          "documents cannot be kept apart; see docs/language-models.md#packing") from None
-    finally:
-        model.train(was_training)
-    moved = float((logits[0] - logits[1]).abs().max())
-    if not moved <= 1e-6 * max(1.0, float(logits[0].abs().max())):
-        through = f" through the collate function {getattr(collate, '__name__', repr(collate))}" if collate else ""
-        raise ConfigError(f"--pack: model {model_name} lets packed documents attend to each other{through} (a "
-                          f"document's logits move by {moved:.2g} when the one before it in the block changes); "
-                          "packing needs a model that starts a document where position_ids restart (transformers' "
-                          "Llama, Mistral, Qwen, Gemma, Phi, GPT-2, GPT-NeoX, ...; not OPT, Falcon, Bloom or MPT) and "
-                          "batches without an attention_mask: see docs/language-models.md#packing")
 
 
 def _describe(obj) -> str:

@@ -1,6 +1,6 @@
 """Streams: iterable datasets (a user's `IterableDataset`, a Hugging Face `datasets` stream, a database
 query run by `__iter__`) read in their own order, with the same guarantees as datasets held in memory. Each
-`iter()` starts the stream anew (a one-shot iterator is refused: components.data_from).
+`iter()` starts the stream anew (a one-shot iterator is refused: user_data.data_from).
 
 How a stream is shared: every process reads the whole stream, cuts it into global batches of
 `--batch-size` samples (one per optimizer step) and collates only its own share of each micro-batch, the
@@ -84,7 +84,7 @@ def start_epoch(dataset, epoch: int) -> None:
 
 
 def first(dataset, n: int, name: str = "the stream", heads=None) -> list:
-    """The first `n` samples of epoch 0 (fewer when the stream is shorter); with `heads` (data.Heads, the run's),
+    """The first `n` samples of epoch 0 (fewer when the stream is shorter); with `heads` (datasets.Heads, the run's),
     read once per run: every check at start looks at them, and opening a stream can cost (`datasets` waits 5 s
     for pyarrow's threads whenever a shuffled parquet stream is left before its end)."""
     held = heads.get(dataset, n) if heads is not None else None
@@ -487,7 +487,7 @@ class StreamLoader:
     def check_start(self, what: str, at_least: int, heads=None) -> None:
         """An empty stream, or one shorter than `at_least` samples, is one line before anything runs; so is a
         saved position that a checkpoint cannot hold (trainer_state.json keeps it). `heads`: the run's first
-        samples already read (data.Heads)."""
+        samples already read (datasets.Heads)."""
         got = len(first(self.dataset, at_least, f"the {what} stream of {self.name}", heads))
         if got == 0:
             raise ConfigError(f"the {what} stream of {self.name} is empty")

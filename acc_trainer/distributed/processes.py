@@ -92,13 +92,12 @@ def check_same_data(accelerator: Accelerator, data: Data) -> None:
     would differ (and one process could wait for the others for ever at an epoch's end)."""
     if accelerator.num_processes == 1:
         return
-    from ..data.datasets import is_stream
     from ..data.streams import fingerprint, first
 
-    if is_stream(data.train) or is_stream(data.eval):  # the first samples' fingerprint: a stream split by process differs
-        rows = [fingerprint(first(d, 4, heads=data.heads)) if is_stream(d) else
-                [float(len(d)), 0.0] if d is not None else [-1.0, 0.0]
-                for d in (data.train, data.eval)]
+    if data.kind.streams:  # the first samples' fingerprint: a stream split by process differs
+        rows = [fingerprint(first(d, 4, heads=data.heads)) if kind.stream else
+                [float(kind.length), 0.0] if d is not None else [-1.0, 0.0]
+                for d, kind in ((data.train, data.kind.train), (data.eval, data.kind.eval))]
         everywhere = accelerator.gather(torch.tensor([sum(rows, [])], dtype=torch.float64,
                                                      device=accelerator.device)).tolist()
         if any(row != everywhere[0] for row in everywhere):
@@ -106,7 +105,7 @@ def check_same_data(accelerator: Accelerator, data: Data) -> None:
                               "build the same data; acc_trainer gives each process its share of a stream, so do not "
                               "split it by process (datasets' split_dataset_by_node, or by rank in __iter__)")
         return
-    sizes = [len(data.train), len(data.eval) if data.eval is not None else -1]
+    sizes = [data.kind.train.length, data.kind.eval.length if data.eval is not None else -1]
     everywhere = accelerator.gather(torch.tensor([sizes], device=accelerator.device)).tolist()
     if any(row != everywhere[0] for row in everywhere):
         shown = "; ".join(f"process {i}: {t} training, {max(e, 0)} evaluation samples" for i, (t, e) in enumerate(everywhere))

@@ -63,61 +63,89 @@ def plot_run(run: Path) -> list[Path]:
     folder.mkdir(exist_ok=True)
     title = run_title(run)
     written = []
-    steps = [r["step"] for r in train]
     with plt.rc_context(STYLE):
         if train:
-            fig, ax = plt.subplots(figsize=(7, 4))
-            losses = [r["loss"] for r in train]
-            ax.plot(steps, losses, color="tab:blue", alpha=0.35, lw=1, label="training loss (each log step)")
-            ax.plot(steps, smooth(losses), color="tab:blue", lw=2, label="training loss (smoothed)")
-            if evals and "eval_loss" in evals[0]:
-                ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", color="tab:orange",
-                        lw=1.5, label="evaluation loss")
-            ax.set(title=f"Loss: {title}", xlabel="optimizer step", ylabel="loss (mean over all processes)")
-            ax.legend()
-            written.append(save_figure(fig, folder / "loss.png"))
-
-            fig, ax = plt.subplots(figsize=(7, 3.5))
-            ax.plot(steps, [r["lr"] for r in train], color="tab:purple", lw=2)
-            ax.set(title=f"Learning rate: {title}", xlabel="optimizer step", ylabel="learning rate")
-            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-            written.append(save_figure(fig, folder / "lr.png"))
-
-            fig, ax = plt.subplots(figsize=(7, 3.5))
-            ax.plot(steps, [r["samples_per_s"] for r in train], color="tab:green", lw=1.5)
-            ax.set(title=f"Throughput: {title}", xlabel="optimizer step", ylabel="samples / s (all processes)")
-            ax.set_ylim(bottom=0)
-            written.append(save_figure(fig, folder / "throughput.png"))
-
-            fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-            data_ms = [1000 * r["data_time_s"] for r in train]
-            compute_ms = [1000 * (r["step_time_s"] - r["data_time_s"]) for r in train]
-            left.stackplot(steps, data_ms, compute_ms, labels=["waiting for data", "compute"],
-                           colors=["tab:red", "tab:blue"], alpha=0.7)
-            left.set(title="Time per step", xlabel="optimizer step", ylabel="ms per step")
-            fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=2)
-            share = [100 * d / (d + c) if d + c > 0 else 0 for d, c in zip(data_ms, compute_ms)]
-            right.plot(steps, share, color="tab:red", lw=1.5)
-            right.set(title="Share of time waiting for data", xlabel="optimizer step", ylabel="% of step time",
-                      ylim=(0, 100))
-            fig.suptitle(title, fontsize=10)
-            written.append(save_figure(fig, folder / "time_split.png", rect=(0, 0.07, 1, 1)))
-        names = [k for k in (evals[0] if evals else {}) if k.startswith("eval_") and k != "eval_samples"]
-        names = ["eval_loss"] * ("eval_loss" in names) + [k for k in names if k != "eval_loss"]
-        if names:  # one panel per evaluated quantity: the loss, then each metric by name
-            fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names) + 1, 3.8), squeeze=False)
-            eval_steps = [r["step"] for r in evals]
-            colors = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
-            for ax, key, color in zip(axes[0], names, colors * len(names)):
-                name = key[5:]
-                percent = name in PERCENT_METRICS
-                ax.plot(eval_steps, [(100 if percent else 1) * r[key] for r in evals], "o-", color=color)
-                ax.set(title=f"Evaluation {name}", xlabel="optimizer step",
-                       ylabel=f"{name} (%)" if percent else name)
-            fig.suptitle(f"Evaluation ({evals[-1]['eval_samples']} samples each): {title}", fontsize=10)
-            written.append(save_figure(fig, folder / "eval.png"))
+            written.append(plot_loss(train, evals, title, folder))
+            written.append(plot_lr(train, title, folder))
+            written.append(plot_throughput(train, title, folder))
+            written.append(plot_time_split(train, title, folder))
+        names = evaluated_quantities(evals)
+        if names:
+            written.append(plot_evaluations(evals, names, title, folder))
         written += plot_confusion(run, folder)
     return written
+
+
+def plot_loss(train: list[dict], evals: list[dict], title: str, folder: Path) -> Path:
+    """loss.png: the training loss, raw and smoothed, and the evaluation loss where there is one."""
+    steps = [r["step"] for r in train]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    losses = [r["loss"] for r in train]
+    ax.plot(steps, losses, color="tab:blue", alpha=0.35, lw=1, label="training loss (each log step)")
+    ax.plot(steps, smooth(losses), color="tab:blue", lw=2, label="training loss (smoothed)")
+    if evals and "eval_loss" in evals[0]:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", color="tab:orange",
+                lw=1.5, label="evaluation loss")
+    ax.set(title=f"Loss: {title}", xlabel="optimizer step", ylabel="loss (mean over all processes)")
+    ax.legend()
+    return save_figure(fig, folder / "loss.png")
+
+
+def plot_lr(train: list[dict], title: str, folder: Path) -> Path:
+    """lr.png: the learning rate at each log step."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:purple", lw=2)
+    ax.set(title=f"Learning rate: {title}", xlabel="optimizer step", ylabel="learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    return save_figure(fig, folder / "lr.png")
+
+
+def plot_throughput(train: list[dict], title: str, folder: Path) -> Path:
+    """throughput.png: samples per second over all processes."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([r["step"] for r in train], [r["samples_per_s"] for r in train], color="tab:green", lw=1.5)
+    ax.set(title=f"Throughput: {title}", xlabel="optimizer step", ylabel="samples / s (all processes)")
+    ax.set_ylim(bottom=0)
+    return save_figure(fig, folder / "throughput.png")
+
+
+def plot_time_split(train: list[dict], title: str, folder: Path) -> Path:
+    """time_split.png: each step's time waiting for data and computing, and the share spent waiting."""
+    steps = [r["step"] for r in train]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    data_ms = [1000 * r["data_time_s"] for r in train]
+    compute_ms = [1000 * (r["step_time_s"] - r["data_time_s"]) for r in train]
+    left.stackplot(steps, data_ms, compute_ms, labels=["waiting for data", "compute"],
+                   colors=["tab:red", "tab:blue"], alpha=0.7)
+    left.set(title="Time per step", xlabel="optimizer step", ylabel="ms per step")
+    fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=2)
+    share = [100 * d / (d + c) if d + c > 0 else 0 for d, c in zip(data_ms, compute_ms)]
+    right.plot(steps, share, color="tab:red", lw=1.5)
+    right.set(title="Share of time waiting for data", xlabel="optimizer step", ylabel="% of step time",
+              ylim=(0, 100))
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, folder / "time_split.png", rect=(0, 0.07, 1, 1))
+
+
+def evaluated_quantities(evals: list[dict]) -> list[str]:
+    """The evaluation records' keys to plot: the loss first, then each metric by name."""
+    names = [k for k in (evals[0] if evals else {}) if k.startswith("eval_") and k != "eval_samples"]
+    return ["eval_loss"] * ("eval_loss" in names) + [k for k in names if k != "eval_loss"]
+
+
+def plot_evaluations(evals: list[dict], names: list[str], title: str, folder: Path) -> Path:
+    """eval.png: one panel per evaluated quantity (`names`), a metric in percent where it is one."""
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names) + 1, 3.8), squeeze=False)
+    eval_steps = [r["step"] for r in evals]
+    colors = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
+    for ax, key, color in zip(axes[0], names, colors * len(names)):
+        name = key[5:]
+        percent = name in PERCENT_METRICS
+        ax.plot(eval_steps, [(100 if percent else 1) * r[key] for r in evals], "o-", color=color)
+        ax.set(title=f"Evaluation {name}", xlabel="optimizer step",
+               ylabel=f"{name} (%)" if percent else name)
+    fig.suptitle(f"Evaluation ({evals[-1]['eval_samples']} samples each): {title}", fontsize=10)
+    return save_figure(fig, folder / "eval.png")
 
 
 def plot_confusion(run: Path, folder: Path) -> list[Path]:

@@ -8,7 +8,6 @@ import os
 import re
 import time
 from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 
 import yaml
@@ -18,10 +17,8 @@ from accelerate.utils import broadcast_object_list
 from ..config import ConfigError, TrainConfig
 from ..distributed.processes import main_decides
 
-_LOCKS: dict = {}  # run folder -> the open lock file this process holds
 # What fit() was given as objects, set by api.fit for its run: config.yaml's first line names them, since the file
 # cannot build them again (`acc-trainer rerun` says so instead of training something else).
-GIVEN_AS_OBJECTS: ContextVar[tuple[str, ...]] = ContextVar("given_as_objects", default=())
 OBJECTS_NOTE = "# fit() trained this run on objects this file cannot build again: "
 # Where a run wrote and whether it resumed are not what it trains: left out of config.yaml, which then trains the
 # run again into a new folder (`acc-trainer --config RUN_DIR/config.yaml`, `acc-trainer rerun RUN_DIR`).
@@ -43,7 +40,7 @@ def _in_use(folder: Path, handle) -> ConfigError | None:
 
 def check_not_in_use(folder: Path) -> None:
     """Refuses a folder another live run holds (main process only; the lock is let go at once)."""
-    if not (folder / ".lock").exists() or folder.resolve() in _LOCKS:
+    if not (folder / ".lock").exists():
         return
     with open(folder / ".lock", "a+") as handle:
         error = _in_use(folder, handle)
@@ -51,12 +48,10 @@ def check_not_in_use(folder: Path) -> None:
         raise error
 
 
-def lock_run_folder(folder: Path, resuming: bool) -> None:
-    """One run at a time per folder: an exclusive flock on <folder>/.lock, held until this process ends
-    (or starts another run on the folder). The operating system drops it when the process dies, so a
-    killed run never leaves a lock behind. Main process only."""
-    if folder.resolve() in _LOCKS:  # an earlier run of this process on the same folder (fit() twice, say)
-        _LOCKS.pop(folder.resolve()).close()
+def lock_run_folder(folder: Path, resuming: bool):
+    """One run at a time per folder: an exclusive flock on <folder>/.lock, held by the open file returned until the
+    run lets it go (`RunFiles.release`, at the run's end, whatever ended it). The operating system drops it when the
+    process dies, so a killed run never leaves a lock behind. Main process only."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         handle = open(folder / ".lock", "a+")
@@ -77,7 +72,7 @@ def lock_run_folder(folder: Path, resuming: bool) -> None:
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
     handle.flush()
-    _LOCKS[folder.resolve()] = handle
+    return handle
 
 
 class RunFiles:
@@ -89,11 +84,12 @@ class RunFiles:
 
     OUTPUTS = ("metrics.jsonl", "summary.json", "model.safetensors")
 
-    def __init__(self, folder: Path, enabled: bool, resumed_step: int | None = None):
+    def __init__(self, folder: Path, enabled: bool, resumed_step: int | None = None, lock=None):
         """`resumed_step`: the run continues from a checkpoint at that step; records after it,
-        logged before the interruption, are dropped because the resumed run logs them again."""
+        logged before the interruption, are dropped because the resumed run logs them again. `lock`: the folder's
+        lock (lock_run_folder), let go by `release`."""
         self.folder, self.enabled = folder, enabled
-        self._metrics = None
+        self._metrics, self._lock = None, lock
         if enabled:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / "metrics.jsonl"
@@ -104,11 +100,10 @@ class RunFiles:
                     _write_atomically(path, "".join(kept))
                 self._metrics = open(path, "a", buffering=1)  # line-buffered: survives a kill
 
-    def write_config(self, cfg: TrainConfig) -> None:
+    def write_config(self, cfg: TrainConfig, objects: tuple[str, ...] = ()) -> None:
         """The resolved options, in the form `--config` reads back (less NOT_RECORDED), after a line naming what
-        fit() was given as objects."""
+        fit() was given as `objects` (the model, the data, functions without an import path)."""
         if self.enabled:
-            objects = GIVEN_AS_OBJECTS.get()
             note = f"{OBJECTS_NOTE}{', '.join(objects)}\n" if objects else ""
             options = {**cfg.to_dict(), **dict.fromkeys(NOT_RECORDED)}
             with self.writing(self.folder / "config.yaml"):
@@ -160,6 +155,13 @@ class RunFiles:
                 self._metrics.close()
             with self.writing(self.folder / "summary.json"):
                 _write_atomically(self.folder / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+    def release(self) -> None:
+        """The run has ended: metrics.jsonl closed and the folder's lock let go (another run may take the folder)."""
+        self._close_metrics()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def _close_metrics(self) -> None:
         # A failed write leaves the line in the file's buffer: close() drops it (and still closes the

@@ -37,57 +37,90 @@ from ..workload.optim import build_optimizer
 
 
 def run(loop: str, cfg: TrainConfig, steps: int) -> dict:
+    """Trains with hand-written loop `loop` for `steps` steps; its speed (the main process's; {} on the others)."""
     ddp = loop == "raw-ddp"
     if loop == "ceiling":  # the hand-written loops run without it, as a user's would
         keep_freed_memory()
+    rank, world = join_processes(ddp)
+    device = prepare_device(cfg)
+    torch.manual_seed(cfg.seed)
+    data = build_data(cfg)
+    model = wrap_model(build_model(cfg, data).to(device), loop, cfg, device)
+    optimizer = build_optimizer(cfg, model.parameters(), cfg.lr)
+    if loop == "ceiling":
+        batches = batches_on_device(data.train, cfg, device, steps)
+    else:
+        batches = batches_from_loader(data.train, cfg, device, steps, ddp, world)
+    elapsed, data_time = time_steps(model, optimizer, batches, data.task, cfg, device, steps)
+    result = {"loop": loop, "world_size": world, "steps": steps, "time_s": elapsed,
+              "samples_per_s": steps * cfg.batch_size / elapsed, "step_time_s": elapsed / steps,
+              "data_time_s": data_time / steps, "peak_memory_mb": peak_memory_mb(device)}
+    if ddp:
+        dist.destroy_process_group()
+    return result if rank == 0 else {}
+
+
+def join_processes(ddp: bool) -> tuple[int, int]:
+    """This process's rank and the number of processes (the process group started for `raw-ddp`)."""
     if ddp:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = 0, 1
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def prepare_device(cfg: TrainConfig) -> torch.device:
+    """This process's device (its LOCAL_RANK's GPU, else the CPU), made current, with --tf32 applied."""
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
-    torch.manual_seed(cfg.seed)
-    data = build_data(cfg)
-    model = build_model(cfg, data).to(device)
+    return device
+
+
+def wrap_model(model: torch.nn.Module, loop: str, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """The model channels-last and compiled as the options ask, in DDP or DataParallel as the loop has it."""
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model = torch.compile(model)
-    if ddp:
+    if loop == "raw-ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
     elif loop == "dp":
         model = torch.nn.DataParallel(model)
-    optimizer = build_optimizer(cfg, model.parameters(), cfg.lr)
+    return model
+
+
+def batches_on_device(train, cfg: TrainConfig, device: torch.device, steps: int):
+    """A few batches already on the device, over and over: what the model and optimizer alone can do."""
+    ready = [_to(b, device, cfg.channels_last) for b in first_batches(train, cfg.batch_size, min(steps, 4))]
+    while True:
+        yield from ready
+
+
+def batches_from_loader(train, cfg: TrainConfig, device: torch.device, steps: int, ddp: bool, world: int):
+    """One sample per __getitem__, collated by the DataLoader, as the hand-written loops have it."""
+    if isinstance(train, InMemory):
+        plain = TensorDataset(*train.tensors)
+        train = PerSample(plain, train.prepare) if train.prepare else plain
+    sampler = DistributedSampler(train, shuffle=True, drop_last=True) if ddp else None
+    loader = DataLoader(train, batch_size=cfg.batch_size // world, shuffle=sampler is None, sampler=sampler,
+                        drop_last=True, num_workers=cfg.num_workers or 0, pin_memory=device.type == "cuda",
+                        persistent_workers=bool(cfg.num_workers))
+    for epoch in range(steps):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for batch in loader:
+            yield _to(batch, device, cfg.channels_last)
+
+
+def time_steps(model, optimizer, batches, task: str, cfg: TrainConfig, device: torch.device, steps: int) -> tuple[float, float]:
+    """`steps` training steps on `batches`: their time in seconds, and the part of it spent waiting for a batch."""
     precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision or "no")
     scaler = torch.amp.GradScaler(device.type) if precision == torch.float16 else None
-    loss_fn = F.cross_entropy if data.task == "classification" else F.mse_loss
-
-    def batches():
-        if loop == "ceiling":  # already on the device: what the model and optimizer alone can do
-            ready = [_to(b, device, cfg.channels_last) for b in first_batches(data.train, cfg.batch_size, min(steps, 4))]
-            while True:
-                yield from ready
-        # One sample per __getitem__, collated by the DataLoader, as the hand-written loops have it.
-        train = data.train
-        if isinstance(train, InMemory):
-            plain = TensorDataset(*train.tensors)
-            train = PerSample(plain, train.prepare) if train.prepare else plain
-        sampler = DistributedSampler(train, shuffle=True, drop_last=True) if ddp else None
-        loader = DataLoader(train, batch_size=cfg.batch_size // world, shuffle=sampler is None, sampler=sampler,
-                            drop_last=True, num_workers=cfg.num_workers or 0, pin_memory=device.type == "cuda",
-                            persistent_workers=bool(cfg.num_workers))
-        for epoch in range(steps):
-            if sampler is not None:
-                sampler.set_epoch(epoch)
-            for batch in loader:
-                yield _to(batch, device, cfg.channels_last)
-
+    loss_fn = F.cross_entropy if task == "classification" else F.mse_loss
     done, data_time = 0, 0.0
-    start = ready = time.perf_counter()
-    for inputs, targets in batches():
+    start = ready = time.perf_counter()  # the batches are generators: making the first ones is timed too
+    for inputs, targets in batches:
         data_time += time.perf_counter() - ready
         optimizer.zero_grad()
         with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
@@ -104,13 +137,7 @@ def run(loop: str, cfg: TrainConfig, steps: int) -> dict:
         if done == steps:
             break
     loss.item()  # waits for the device, as the end of any real loop does
-    elapsed = time.perf_counter() - start
-    result = {"loop": loop, "world_size": world, "steps": steps, "time_s": elapsed,
-              "samples_per_s": steps * cfg.batch_size / elapsed, "step_time_s": elapsed / steps,
-              "data_time_s": data_time / steps, "peak_memory_mb": peak_memory_mb(device)}
-    if ddp:
-        dist.destroy_process_group()
-    return result if rank == 0 else {}
+    return time.perf_counter() - start, data_time
 
 
 def first_batches(dataset, batch_size: int, count: int) -> list:

@@ -11,11 +11,13 @@ The study lives in Optuna's storage: a SQLite file in the sweep folder, or any d
 several workers (this command, run again on this machine or another) share. Ctrl-C (or SIGTERM) is passed on to the
 running trial, which checkpoints; the same command run again continues the study, first resuming the trials this
 sweep folder left running (`--resume auto` from their checkpoints; a lock file tells them from another live worker's).
+
+This module runs the trials; the space file is read in sweep_space.py, and sweep_results.py tabulates and draws the
+trials.
 """
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import json
 import os
@@ -26,44 +28,18 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..config import ConfigError, TrainConfig, did_you_mean, first_line, make_config, option_names
+from ..config import ConfigError, first_line
 from ..flags import Parser
+from .sweep_results import _shown, show_results
+from .sweep_space import TRIALS, Space, read_space, trial_options
 
-# The keys of a space file, with their defaults (None: worked out from the others).
-SPACE_KEYS = {"options": {}, "search": {}, "metric": "loss", "direction": None, "trials": None, "sampler": "tpe",
-              "seed": None, "pruner": "median", "pruner-args": {}, "launcher": "acc-trainer", "study": None,
-              "storage": None, "sweep-dir": None}
-SAMPLERS = ("tpe", "random", "grid")
-PRUNERS = ("median", "successive-halving", "hyperband", "none")
-TRIALS = 20  # without `trials` (a grid: its size)
 POLL_S = 0.2  # how often a running trial's metrics.jsonl is read
-NOT_SWEPT = ("output_dir", "resume")  # the sweep sets them for every trial
-
-
-@dataclass
-class Space:
-    """A space file, read and checked (read_space)."""
-
-    path: Path
-    options: dict  # TrainConfig field -> value, shared by every trial
-    search: dict  # parameter name (an option, or option.key inside a dict option) -> Optuna distribution
-    metric: str  # the evaluation result the study optimises
-    direction: str
-    trials: int  # in the study as a whole, whichever worker runs them
-    sampler: str
-    seed: int | None
-    pruner: str
-    pruner_args: dict
-    launcher: str  # the command line before the trainer's options
-    study: str
-    storage: str
-    folder: Path
 
 
 @dataclass
@@ -103,134 +79,6 @@ def main(argv: list[str]) -> None:
     from ..outputs.progress import make_console
 
     sys.exit(sweep(space, make_console()))
-
-
-def read_space(path: Path, overrides: dict | None = None) -> Space:
-    """The space file, with the command line's `overrides` (sweep keys) over it; every mistake one ConfigError."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"space file {path} cannot be read ({e.strerror or type(e).__name__})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"space file {path} is not valid YAML: {' '.join(str(e).split())}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"space file {path} must hold a mapping (options:, search:, metric:, ...)")
-    keys = {}
-    for key, value in data.items():
-        name = str(key).replace("_", "-")
-        if name not in SPACE_KEYS:
-            raise ConfigError(f"space file {path}: unknown key {key!r}{did_you_mean(name, SPACE_KEYS)} (training options "
-                              "go under options:, the searched ones under search:)")
-        keys[name] = value
-    keys = {**SPACE_KEYS, **keys, **(overrides or {})}
-    options = _options(keys["options"], path)
-    search = {str(name): _distribution(str(name), spec, path) for name, spec in (keys["search"] or {}).items()}
-    if not search:
-        raise ConfigError(f"space file {path}: search: names no option to search (e.g. lr: {{float: [1.0e-4, 0.1], "
-                          "log: true}})")
-    check_options(options, search, path)
-    for key, known in (("sampler", SAMPLERS), ("pruner", PRUNERS)):
-        if keys[key] not in known:
-            raise ConfigError(f"space file {path}: {key} {keys[key]!r}: choose from {', '.join(known)}"
-                              + did_you_mean(str(keys[key]), known))
-    if keys["sampler"] == "grid" and not all(hasattr(d, "choices") for d in search.values()):
-        raise ConfigError(f"space file {path}: sampler grid takes lists of values to search (lr: [0.001, 0.01]), not "
-                          "ranges")
-    metric = str(keys["metric"])
-    direction = keys["direction"] or _direction(metric)
-    if direction not in ("minimize", "maximize"):
-        raise ConfigError(f"space file {path}: direction {direction!r}: minimize or maximize")
-    trials = keys["trials"] if keys["trials"] is not None else _grid_size(search) if keys["sampler"] == "grid" else TRIALS
-    if not isinstance(trials, int) or trials < 0:
-        raise ConfigError(f"space file {path}: trials {trials!r}: a number of trials, 0 or more")
-    study = str(keys["study"] or path.stem)
-    folder = Path(keys["sweep-dir"] or Path("sweeps") / study)
-    storage = str(keys["storage"] or f"sqlite:///{folder.resolve() / 'study.db'}")
-    return Space(path, options, search, metric, direction, trials, keys["sampler"], keys["seed"], keys["pruner"],
-                 dict(keys["pruner-args"] or {}), str(keys["launcher"]), study, storage, folder)
-
-
-def _options(given: Any, path: Path) -> dict:
-    if not isinstance(given, dict):
-        raise ConfigError(f"space file {path}: options: must map training options to values (model: mlp, epochs: 3)")
-    options = option_names(given, f"space file {path}")
-    for name in options:
-        if name in NOT_SWEPT:
-            raise ConfigError(f"space file {path}: options: {name.replace('_', '-')} is the sweep's to set: every trial "
-                              "gets its own folder (<sweep-dir>/trial-N) and a stopped trial resumes from its checkpoint")
-    return options
-
-
-def _distribution(name: str, spec: Any, path: Path):
-    """`{float: [low, high]}` and `{int: [low, high]}` (with `log: true` or `step: x`), or a list of values."""
-    import optuna.distributions as d
-
-    option = name.split(".")[0].replace("-", "_")
-    if option not in {f.name for f in fields(TrainConfig)} or option in NOT_SWEPT:
-        raise ConfigError(f"space file {path}: search: {name!r} is not an option to search"
-                          + did_you_mean(name, sorted(f.name.replace("_", "-") for f in fields(TrainConfig))))
-    if isinstance(spec, dict) and "choice" in spec:
-        spec = spec["choice"]
-    try:
-        if isinstance(spec, list) and spec:
-            return d.CategoricalDistribution(spec)
-        kind = next((k for k in ("float", "int") if k in spec), None) if isinstance(spec, dict) else None
-        if kind and set(spec) <= {kind, "log", "step"} and isinstance(spec[kind], list) and len(spec[kind]) == 2:
-            low, high = (float(v) if kind == "float" else v for v in spec[kind])  # YAML reads 1e-5 as a text
-            make = d.FloatDistribution if kind == "float" else d.IntDistribution
-            return make(low, high, log=bool(spec.get("log", False)), step=spec.get("step", None if kind == "float" else 1))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"space file {path}: search: {name}: {first_line(e)}") from None
-    raise ConfigError(f"space file {path}: search: {name}: give {{float: [low, high]}} or {{int: [low, high]}} (with log: "
-                      f"true or step: N) or a list of values, not {spec!r}")
-
-
-def trial_options(options: dict, params: dict) -> dict:
-    """The shared options with a trial's values over them (`model-args.width` sets `width` in model_args)."""
-    out = dict(options)
-    for name, value in params.items():
-        option, *keys = name.split(".")
-        option = option.replace("-", "_")
-        if not keys:
-            out[option] = value
-            continue
-        inner = out.get(option)
-        inner = dict(yaml.safe_load(inner) or {} if isinstance(inner, str) else inner or {})  # a flag's text form
-        out[option], place = inner, inner
-        for key in keys[:-1]:
-            place[key] = dict(place.get(key) or {})
-            place = place[key]
-        place[keys[-1]] = value
-    return out
-
-
-def check_options(options: dict, search: dict, path: Path) -> None:
-    """Every value the search can take, over the shared options, makes a valid configuration: a mistake is found
-    before any trial starts, not in each trial."""
-    for name, dist in search.items():
-        values = dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)
-        for value in values:
-            try:
-                make_config(trial_options(options, {**{n: _any_value(d) for n, d in search.items()}, name: value}))
-            except ConfigError as e:
-                raise ConfigError(f"space file {path}: {name} {value!r}: {e}") from None
-
-
-def _any_value(dist) -> Any:
-    return dist.choices[0] if hasattr(dist, "choices") else dist.low
-
-
-def _grid_size(search: dict) -> int:
-    size = 1
-    for dist in search.values():
-        size *= len(dist.choices)
-    return size
-
-
-def _direction(metric: str) -> str:
-    from ..workload.metrics import improves  # the one definition of "better" (torch: imported only when needed)
-
-    return "minimize" if improves(metric, 0.0, 1.0) else "maximize"
 
 
 def open_study(space: Space):
@@ -512,96 +360,3 @@ def launcher_argv(launcher: str) -> list[str]:
     """The launcher's command line; `acc-trainer` runs as this Python's `-m acc_trainer`, whatever PATH holds."""
     words = shlex.split(launcher)
     return [sys.executable, "-m", "acc_trainer", *words[1:]] if words[:1] == ["acc-trainer"] else words
-
-
-def rerun_command(space: Space, number: int) -> str:
-    """The command that runs trial `number` again, as its own run."""
-    config = space.folder / f"trial-{number}" / "trial.yaml"
-    return f"{space.launcher} --config {shlex.quote(str(config))} --output-dir runs/{space.study}-trial-{number}"
-
-
-def _shown(params: dict) -> str:
-    return ", ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
-                     for name, value in params.items())
-
-
-def show_results(study, space: Space, console) -> None:
-    """The trials as a table (printed, and <sweep>/trials.csv) and a figure (<sweep>/trials.png), the best trial and
-    the command that runs it again."""
-    from optuna.trial import TrialState
-    from rich.table import Table
-
-    trials = study.get_trials(deepcopy=False)
-    if not trials:
-        return
-    names = list(dict.fromkeys([*space.search, *(name for t in trials for name in t.params)]))
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    best = study.best_trial.number if complete else None
-    rows = [_row(t, names) for t in trials]
-    header = ["trial", "state", space.metric, "step", *names, "seconds"]
-    table = Table(title=f"study {space.study}: {len(trials)} trials, " + ", ".join(
-        f"{sum(t.state == state for t in trials)} {state.name.lower()}" for state in TrialState
-        if any(t.state == state for t in trials)))
-    for column in header:
-        table.add_column(column, justify="left" if column == "state" else "right")
-    for trial, row in zip(trials, rows):
-        table.add_row(*[_cell(v) for v in row], style="bold" if trial.number == best else None)
-    with open(space.folder / "trials.csv", "w", newline="") as f:
-        csv.writer(f).writerows([header, *rows])
-    plot_trials(trials, best, space, space.folder / "trials.png")
-    console.print(table)
-    if best is not None:
-        console.print(f"best: trial {best}, {space.metric} {study.best_value:.6g} ({_shown(study.best_params)})",
-                      markup=False)
-        console.print(f"run it again: {rerun_command(space, best)}", markup=False)
-    console.print(f"table and figure: {space.folder / 'trials.csv'}, {space.folder / 'trials.png'}", markup=False)
-
-
-def _row(trial, names: list[str]) -> list:
-    steps = sorted(trial.intermediate_values)
-    value = trial.value if trial.value is not None else trial.intermediate_values[steps[-1]] if steps else None
-    return [trial.number, trial.state.name.lower(), value, steps[-1] if steps else None,
-            *[trial.params.get(name) for name in names], trial.user_attrs.get("seconds")]
-
-
-def _cell(value) -> str:
-    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def plot_trials(trials: list, best: int | None, space: Space, path: Path) -> Path:
-    """Left: each trial's metric at each evaluation (pruned ones grey and dashed, ending in x; the best in red).
-    Right: each trial's result by trial number, with the best so far."""
-    from matplotlib.ticker import MaxNLocator
-    from optuna.trial import TrialState
-
-    from ..outputs.plots import STYLE, plt, save_figure
-
-    with plt.rc_context(STYLE):
-        fig, (curves, results) = plt.subplots(1, 2, figsize=(12, 4.2))
-        better, best_so_far, numbers = (max if space.direction == "maximize" else min), [], []
-        for trial in trials:
-            steps = sorted(trial.intermediate_values)
-            values = [trial.intermediate_values[s] for s in steps]
-            if not steps:
-                continue
-            if trial.state == TrialState.PRUNED:
-                curves.plot(steps, values, "--", color="0.6", lw=1)
-                curves.plot(steps[-1:], values[-1:], "x", color="0.4")
-                results.plot([trial.number], values[-1:], "x", color="0.4")
-            elif trial.state == TrialState.COMPLETE:
-                top = trial.number == best
-                curves.plot(steps, values, "-", color="tab:red" if top else "tab:blue", lw=2.5 if top else 1,
-                            alpha=1 if top else 0.6, zorder=3 if top else 2, label=f"best: trial {best}" if top else None)
-                results.plot([trial.number], [trial.value], "o", color="tab:red" if top else "tab:blue")
-                best_so_far.append(better([*best_so_far[-1:], trial.value]))
-                numbers.append(trial.number)
-            else:
-                curves.plot(steps, values, ":", color="tab:orange", lw=1)
-        if numbers:
-            results.step(numbers, best_so_far, where="post", color="tab:red", lw=1, label="best so far")
-            results.legend(fontsize=8)
-            curves.legend(fontsize=8)
-        results.xaxis.set_major_locator(MaxNLocator(integer=True))
-        curves.set(title=f"{space.metric} at each evaluation (grey: pruned)", xlabel="optimizer step", ylabel=space.metric)
-        results.set(title=f"{space.metric} of each trial (x: pruned)", xlabel="trial", ylabel=space.metric)
-        return save_figure(fig, path)

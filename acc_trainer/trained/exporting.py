@@ -29,6 +29,7 @@ import torch
 from ..config import ConfigError, TrainConfig, did_you_mean, first_line
 from ..language import adapters
 from ..workload import components, losses
+from ..workload.first_batch import first_samples
 
 FORMATS = {"onnx": "ONNX", "pt2": "torch.export (pt2)", "safetensors": "safetensors"}
 TOLERANCE = 1e-3  # of the outputs' largest magnitude (at least 1): float32 kernels in another order stay far below
@@ -53,10 +54,10 @@ def export(model_or_run, /, dataset=None, *, format: str, output: str | os.PathL
         output = Path(model_or_run) / "export" / f"model.{format}"
     cfg = fit_config(model, dataset, config, options, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
-                                  cfg.pack)
+                                  cfg.pack, cfg.data_pipeline)
     training, device = model.training, next(model.parameters(), torch.empty(0)).device
     try:
-        return export_job(job, job.data.train, format, Path(output), samples, owned=False)
+        return export_job(job, format, Path(output), samples, owned=False)
     finally:
         model.train(training).to(device)  # the caller's model as it was given
 
@@ -69,15 +70,14 @@ def _check_format(format: str) -> None:
                           + did_you_mean(str(format), FORMATS))
 
 
-def export_job(job: components.Workload, dataset, format: str, output: Path, samples: int = 8,
-               owned: bool = True) -> dict:
-    """`job.model` written as `format` to `output` and checked on the first `samples` samples of `dataset`.
+def export_job(job: components.Workload, format: str, output: Path, samples: int = 8, owned: bool = True) -> dict:
+    """`job.model` written as `format` to `output` and checked on the first `samples` samples of the workload's set.
     `owned`: the model is this export's to change (a LoRA model merged in place, else in a copy)."""
     if samples < 1:
         raise ConfigError(f"export: samples must be positive, got {samples}")
     merged = adapters.is_peft(job.model)
     model = _plain(job.model, owned)
-    batch = _first_batch(job, dataset, samples)
+    batch = _first_batch(job, samples)
     args, kwargs = _model_inputs(job, model, batch)
     with torch.no_grad():
         expected = model(*args, **kwargs)
@@ -97,9 +97,9 @@ def _plain(model, owned: bool):
     return model.eval().cpu()
 
 
-def _first_batch(job: components.Workload, dataset, samples: int):
+def _first_batch(job: components.Workload, samples: int):
     try:
-        return components.first_samples(dataset, samples, job.collate, job.data.heads)
+        return first_samples(job.data.train, job.data.kind.train, samples, job.collate, job.data.heads)
     except (OSError, *components.MISFITS) as e:
         raise ConfigError(f"export: the first {samples} samples of {job.dataset_name} cannot be read or batched: "
                           f"{type(e).__name__}: {first_line(e)}") from None
@@ -263,8 +263,8 @@ def main(argv: list[str]) -> None:
         _onnx_installed()  # before the model is rebuilt
     output = given.output or given.run / "export" / f"model.{known.format}"
     processes.start(cfg)
-    job, dataset = _workload(cfg, given.weights, given.split)
-    result = export_job(job, dataset, known.format, output, known.samples)
+    job, _ = _workload(cfg, given.weights, given.split)
+    result = export_job(job, known.format, output, known.samples)
     print(f"{cfg.model} ({given.weights}) as {describe(result)}")
     if not result["matches"]:
         sys.exit(1)

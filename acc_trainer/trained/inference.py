@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from accelerate import PartialState
 
 from ..config import ConfigError, TrainConfig, first_line
-from ..data.datasets import is_stream, length, one_at_a_time, reads_files
-from ..data.loaders import evaluation_loader, stream_evaluation
+from ..data.datasets import Data
+from ..data.faults import stream_faults, unreadable_everywhere
+from ..data.kinds import settle
+from ..data.loaders import evaluation_loader, placed, stream_evaluation
 from ..distributed import processes
 from ..language import adapters
 from ..language.generation import check_generates, generated_rows
@@ -42,9 +44,10 @@ from ..outputs import checkpoints
 from ..outputs.checkpoints import damage
 from ..stopping import TrainingStopped
 from ..training import evaluation
-from ..training.evaluation import everyones, format_results, real_batches, stream_faults, unreadable_everywhere
+from ..training.evaluation import everyones, format_results, real_batches
 from ..training.setup import accelerator_for, training_loss
 from ..workload import components
+from ..workload.first_batch import check_fit
 from ..workload.losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
 
 FORMATS = (".jsonl", ".csv", ".npz")
@@ -69,7 +72,7 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate")
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward,
-                                  cfg.pack)
+                                  cfg.pack, cfg.data_pipeline)
     return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
 
 
@@ -87,7 +90,7 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict")
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
-                                  cfg.pack)
+                                  cfg.pack, cfg.data_pipeline)
     if generate and tokenizer is None and isinstance(model_or_run, (str, os.PathLike)):
         tokenizer = _saved_tokenizer(Path(model_or_run))
     job.tokenizer = load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
@@ -168,16 +171,17 @@ def _load_weights(model, weights: Path, name: str) -> None:
 
 def _prepared(cfg: TrainConfig, job: components.Workload, dataset, group: processes.Group | None = None) -> tuple:
     """The Accelerator (as a training run builds it: setup.accelerator_for) and the prepared model and loader;
-    the caller has checked the first samples (components.check_fit)."""
+    the caller has checked the first samples (first_batch.check_fit)."""
     group = group or processes.start(cfg)
     accelerator = accelerator_for(cfg, group)
     world = accelerator.num_processes
     per_process = cfg.eval_batch_size or max(1, cfg.batch_size // (world * cfg.grad_accum))
-    if is_stream(dataset):  # its own loader (streams.py), which already holds this process's share
+    kind = job.data.kind.train  # the set evaluated is the workload's only one
+    if kind.stream:  # its own loader (streams.py), which already holds this process's share
         loader = stream_evaluation(cfg, dataset, per_process * world, world, accelerator.process_index, job.collate,
                                    accelerator.device, processes.summing(accelerator), job.dataset_name, job.data.heads)
-    else:
-        loader = evaluation_loader(one_at_a_time(dataset) if job.collate else dataset, per_process * world, cfg.seed,
+    else:  # served as a training run serves its evaluation set
+        loader = evaluation_loader(placed(dataset, kind, accelerator.device), kind, per_process * world, cfg.seed,
                                    collate=job.collate)
     job.data.heads.clear()  # the first samples read for the checks at start
     model, loader = accelerator.prepare(job.model, loader)
@@ -185,11 +189,11 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset, group: proces
 
 
 def _evaluate(cfg: TrainConfig, job: components.Workload, dataset, group: processes.Group | None = None) -> dict:
-    checked = components.check_fit(job)
+    checked = check_fit(job)
     accelerator, model, loader = _prepared(cfg, job, dataset, group)
     loss = training_loss(cfg, checked) if checked.eval_loss else None  # as the run evaluated (--label-smoothing)
     with stream_faults(str):
-        results = evaluation.evaluate(accelerator, model, loader, loss, checked.metrics, guarded=reads_files(dataset),
+        results = evaluation.evaluate(accelerator, model, loader, loss, checked.metrics, guarded=job.data.kind.train.guarded,
                                       forward_fn=job.forward, tables=checked.tables)
     if results.pop("unreadable", None):
         raise ConfigError("some samples cannot be read; acc-trainer check-data lists them")
@@ -200,13 +204,14 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
              group: processes.Group | None = None, generate: bool = False) -> tuple:
     """(OUTPUT, or the rows without one; the number of rows). `generate`: each input's generated text (generation.py)
     instead of the model's outputs."""
-    size = length(dataset) if is_stream(dataset) else len(dataset)
+    kind = job.data.kind.train
+    size = kind.length
     if size is None and output is not None and output.suffix == ".npz":
         raise ConfigError(f"predict: .npz arrays are made at the stream's size, and {job.dataset_name} does not say it "
                           "(no __len__); write .jsonl or .csv")
     if generate:
         check_generates(job.model, job.tokenizer, "predict --generate", "--tokenizer (the run folder holds none)")
-    components.check_fit(job)  # one line for data that does not fit the model
+    check_fit(job)  # one line for data that does not fit the model
     accelerator, model, loader = _prepared(cfg, job, dataset, group)
     model.eval()
     writer = Writer(output, size) if accelerator.is_main_process else None
@@ -218,13 +223,13 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
     try:
         shown = accelerator.is_main_process and output is not None
         with _stopped_by_signals(output) as stop_if_asked, stream_faults(str), torch.no_grad(), \
-                _progress(shown, None if is_stream(dataset) else len(loader)) as advance:
-            for batch, real, bad in real_batches(accelerator, loader, reads_files(dataset)):
+                _progress(shown, None if kind.stream else len(loader)) as advance:
+            for batch, real, bad in real_batches(accelerator, loader, kind.guarded):
                 stop_if_asked(agree)
                 unreadable += bad
                 values, columns = _batch_values(job, model, batch, cfg.max_new_tokens if generate else None)
                 # every process's real outputs, in process order: the global batch's, in the dataset's order
-                even = not is_stream(dataset) and not accelerator.gradient_state.end_of_dataloader
+                even = not kind.stream and not accelerator.gradient_state.end_of_dataloader
                 batch_rows = _rows(everyones(accelerator, values, real, even), index, columns)
                 if output is not None and index == 0:
                     check_rows(batch_rows, output)  # on every process: none is left waiting for the main one
@@ -547,7 +552,8 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
     if dataset is None:
         raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")
     # The first-sample check and everything after it read this split only.
-    job.data = components.Data(dataset, None, job.data.task, job.data.num_classes, job.data.input_shape)
+    job.data = settle(Data(dataset, None, job.data.task, job.data.num_classes, job.data.input_shape), cfg.data_pipeline,
+                      job.collate)
     return job, dataset
 
 

@@ -14,7 +14,6 @@ from accelerate.utils import set_seed
 
 from ..config import ConfigError, TrainConfig, did_you_mean, make_config
 from ..distributed import processes
-from ..outputs import runfiles
 from ..workload import components
 from .loop import run
 
@@ -78,23 +77,20 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     cfg = fit_config(model, train_data, config, options, collate_fn, forward)
     job = components.from_objects(model, train_data, eval_data, loss if loss is not None else cfg.loss,
                                   metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
-                                  forward or cfg.forward, cfg.pack)
+                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline)
     job.optimizer, job.scheduler = factories.get("optimizer"), factories.get("scheduler")
     job.tokenizer = tokenizer  # an object; one named by cfg.tokenizer is loaded by the loop (generation.ready)
     job.on_evaluation = on_evaluation
     given = {"loss": loss, "metrics": metrics, "collate_fn": collate_fn, "forward": forward, "optimizer": optimizer,
              "scheduler": scheduler, "tokenizer": tokenizer}
-    noted = runfiles.GIVEN_AS_OBJECTS.set(_unnamed(cfg, job, given))
-    try:
-        with _random_state_kept():
-            _fresh_accelerator_state()
-            return run(cfg, job)
-    finally:
-        runfiles.GIVEN_AS_OBJECTS.reset(noted)
+    job.unnamed = _unnamed(cfg, job, given)
+    with _random_state_kept():
+        _fresh_accelerator_state()
+        return run(cfg, job)
 
 
 def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[str, ...]:
-    """What fit() was given that config.yaml cannot name (its first line says it: runfiles.GIVEN_AS_OBJECTS): the
+    """What fit() was given that config.yaml cannot name (config.yaml's first line says it: RunFiles.write_config): the
     model and the data, and the functions and objects without an import path."""
     recorded = {"loss": cfg.loss, "metrics": cfg.metrics, "collate_fn": cfg.collate, "forward": cfg.forward}
     unnamed = [f"model {job.model_name}", f"data {job.dataset_name}"]

@@ -11,7 +11,6 @@ and every process still makes one model call per batch, as FSDP needs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
@@ -20,10 +19,9 @@ from accelerate.utils import find_batch_size, gather_object, recursively_apply, 
 
 from .. import patches
 from ..data.datasets import Uncollated
-from ..data.streams import StreamUnreadable
+from ..data.faults import unreadable_everywhere
 from ..outputs.progress import format_metric
-from ..stopping import TrainingStopped
-from ..workload.components import metric_input
+from ..workload.first_batch import metric_input
 from ..workload.losses import batch_loss, model_inputs
 from ..workload.metrics import Stateful, from_loss, is_stateful
 
@@ -31,7 +29,7 @@ from ..workload.metrics import Stateful, from_loss, is_stateful
 def real_batches(accelerator: Accelerator, loader, guarded: bool) -> Iterator[tuple]:
     """Each batch of an evaluation loader as `(batch, real, unreadable)`: the batch cut to this process's
     `real` samples (at least one: every process calls the model), and the indices of those that could not
-    be read (data.Guarded batches carry them)."""
+    be read (faults.Guarded batches carry them)."""
     for batch in loader:
         indices = None
         if isinstance(batch, Uncollated):  # a user's collate function (or a stream): collated once the real samples are known
@@ -135,41 +133,29 @@ def evaluate(accelerator: Accelerator, model, loader, loss_fn, metrics: dict, ch
             for metric in builtin.values():
                 metric.update(outputs, targets)
     model.train()
-    totals = accelerator.reduce(totals, "sum").tolist()
+    results = _results(accelerator, accelerator.reduce(totals, "sum").tolist(), has_loss, metrics, derived, stateful,
+                       tables or {})
+    if guarded:
+        results["unreadable"] = unreadable_everywhere(accelerator, unreadable)
+    return results
+
+
+def _results(accelerator: Accelerator, totals: list[float], has_loss: bool, metrics: dict, derived: dict,
+             stateful: dict, tables: dict) -> dict:
+    """The evaluation's figures from the sums over every process (loss total, loss count, each per-sample metric's
+    total, samples), the metrics derived from the loss, and the metrics with state computed over every process."""
     count = int(totals[-1])
     results = {"loss": totals[0] / max(totals[1], 1)} if has_loss else {}
     results.update({name: total / count for name, total in zip(metrics, totals[2:-1])})
     results.update({name: fn(results["loss"]) for name, fn in derived.items() if has_loss})
     for name, metric in stateful.items():
         value = merged_metric(accelerator, metric)
-        if name in (tables or {}):
+        if name in tables:
             results.setdefault("tables", {}).update(value)
         else:
             results.update(_as_numbers(name, value))
     results["samples"] = count
-    if guarded:
-        results["unreadable"] = unreadable_everywhere(accelerator, unreadable)
     return results
-
-
-def unreadable_everywhere(accelerator: Accelerator, local: list[int]) -> list[int]:
-    """The indices of unreadable samples on any process, the same list on all (one tiny all-reduce;
-    the indices themselves are gathered only when there are some)."""
-    if accelerator.num_processes == 1:
-        return sorted(set(local))
-    if accelerator.reduce(torch.tensor(len(local), device=accelerator.device), "sum").item() == 0:
-        return []
-    return sorted({i for part in gather_object([local]) for i in part})
-
-
-@contextmanager
-def stream_faults(stop: Callable[[StreamUnreadable], str]):
-    """A stream that cannot be read stops every process at the same batch (its loader agrees on it) with one
-    line: `stop(error)` does what must be done first (the training run saves a checkpoint) and says it."""
-    try:
-        yield
-    except StreamUnreadable as e:
-        raise TrainingStopped(stop(e), code=1) from None
 
 
 def merged_metric(accelerator: Accelerator, metric):

@@ -27,7 +27,6 @@ from ..config import ConfigError, TrainConfig, first_line
 from ..data import augment as augmentation
 from ..data.datasets import steps_per_epoch
 from ..data.loaders import build_loaders, dataloader_config, on_device
-from ..data.streams import StreamLoader
 from ..distributed import engines, processes
 from ..distributed.processes import Group
 from ..distributed.watchdog import Idle
@@ -36,8 +35,8 @@ from ..outputs import checkpoints, trackers
 from ..outputs.checkpoints import BEST, Checkpoints
 from ..outputs.progress import Progress
 from ..outputs.runfiles import RunFiles, lock_run_folder, output_dir
-from ..workload import components
-from ..workload.components import Checked, Workload, first_samples
+from ..workload.components import Workload
+from ..workload.first_batch import Checked, check_fit, first_samples
 from ..workload.losses import cross_entropy, model_loss
 from ..workload.measure import cpu_bf16_instructions, flops_per_sample
 from ..workload.metrics import Stateful, is_stateful
@@ -145,8 +144,8 @@ class Run:
         return self.accelerator.num_processes
 
     @property
-    def streaming(self) -> bool:  # the training set is a stream (streams.py)
-        return isinstance(self.loaders.train, StreamLoader)
+    def streaming(self) -> bool:  # the training set is a stream (streams.py), as settled where the data was built
+        return self.job.data.kind.train.stream
 
     @property
     def per_process_batch(self) -> int:  # of one micro-batch
@@ -192,9 +191,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     world = group.state.num_processes
     origin = _origin(cfg, job, group)
     # Before the Accelerator: how DDP wraps the model depends on what the first samples show.
-    checked = components.check_fit(job, cfg.batch_size // (world * cfg.grad_accum))
-    if checked.items and group.engine == "DEEPSPEED":
-        checked = _per_micro_batch(checked)
+    checked = _checked(cfg, job, group.engine, world)
     # DDP fails at the second step when a parameter gets no gradient, unless it looks for such parameters
     # after every backward pass (a cost): asked for only when the first samples leave some unused.
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and world > 1 else []
@@ -206,16 +203,11 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     if origin.resumed:
         checkpoints.check_model(origin.resume, origin.resumed, model)
     shapes = checkpoints.parameter_shapes(model)  # as the user built it: what a checkpoint must match
-    # Counted on the main process only, so before BatchNorm layers become collective (--sync-bn).
-    flops = flops_per_sample(model, first_samples(job.data.train, 1, job.collate, job.data.heads), job.forward) \
-        if accelerator.is_main_process else 0
+    flops = _flops(job, model, accelerator)  # before BatchNorm layers become collective (--sync-bn)
     # Compared (and made equal, with a note) before `prepare`, whose DDP wrapper would silently copy
     # rank 0's weights over a seeding mistake.
     notes = processes.same_initial_weights(accelerator, model) + _notes(checked, model, world, group.engine)
-    notes += patches.notes()  # a patch left off on a version it was not tested on
-    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16" and cpu_bf16_instructions() is False:
-        notes.append("note: this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm's BF16): bf16 is emulated and "
-                     "runs several times slower than --mixed-precision no (docs/language-models.md#precision-on-a-cpu)")
+    notes += _device_notes(accelerator)
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
@@ -237,8 +229,46 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
                       adapters.parameter_counts(model, tuning.frozen if cfg.unfreeze_at else None), frozen)
     if frozen:  # checkpoints hold what trains (a hook: save_state gathers the weights it writes inside)
         accelerator.register_save_state_pre_hook(_trainable_only)
+    state = _state(cfg, accelerator, job, origin, model, checked, shape)
+    shape.start_step = state.step
+    notes += _start_notes(cfg, origin, world, job.data.notes)
+    job.data.heads.clear()  # the first samples read for the checks at start (up to a global batch) are not kept
+    output = _output(cfg, accelerator, origin, state, shape, job.unnamed)
+    r = Run(cfg, job, accelerator, group.engine, trained, scoring, Loaders(train_loader, eval_loader, augment), shape,
+            output, state, Clock(logged_step=state.step), notes, started)
+    _announce(r)
+    return r
+
+
+def _checked(cfg: TrainConfig, job: Workload, engine: str, world: int) -> Checked:
+    """The first-sample check (first_batch.check_fit) on a process's micro-batch."""
+    checked = check_fit(job, cfg.batch_size // (world * cfg.grad_accum))
+    return _per_micro_batch(checked) if checked.items and engine == "DEEPSPEED" else checked
+
+
+def _flops(job: Workload, model, accelerator: Accelerator) -> float:
+    """FLOPs per training sample, counted on one sample by the main process only (0 on the others)."""
+    if not accelerator.is_main_process:
+        return 0
+    return flops_per_sample(model, first_samples(job.data.train, job.data.kind.train, 1, job.collate, job.data.heads),
+                            job.forward)
+
+
+def _device_notes(accelerator: Accelerator) -> list[str]:
+    """A patch left off on a version it was not tested on; bf16 emulated on a CPU without bf16 instructions."""
+    notes = patches.notes()
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16" and cpu_bf16_instructions() is False:
+        notes.append("note: this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm's BF16): bf16 is emulated and "
+                     "runs several times slower than --mixed-precision no (docs/language-models.md#precision-on-a-cpu)")
+    return notes
+
+
+def _state(cfg: TrainConfig, accelerator: Accelerator, job: Workload, origin: _Origin, model, checked: Checked,
+           shape: Shape) -> RunState:
+    """The run's progress: new, or the checkpoint's (its weights, optimizer, scheduler, random states and state
+    loaded into the prepared objects)."""
     state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, checked.items))
-    if isinstance(train_loader, StreamLoader):
+    if job.data.kind.train.stream:
         state.stream = stream_position(0, 0, shape.per_epoch)
     if origin.resumed:
         partial = bool(origin.resumed.get("frozen"))  # the frozen weights are not in it: built again above
@@ -248,19 +278,19 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
             # strict=False lets the frozen tensors be missing (DeepSpeed's own loader takes no `strict`).
             accelerator.load_state(str(origin.resume), **({"strict": False} if partial else {}))
         checkpoints.check_random_states(accelerator, origin.resume, origin.resumed["world_size"])
-        state.load(origin.resumed, accelerator.process_index, world)
-        notes += checkpoints.elastic_note(origin.resumed["world_size"], world)
-    shape.start_step = state.step
-    notes += origin.notes + job.data.notes
+        state.load(origin.resumed, accelerator.process_index, accelerator.num_processes)
+    return state
+
+
+def _start_notes(cfg: TrainConfig, origin: _Origin, world: int, data_notes: list[str]) -> list[str]:
+    """What the start line says of where the run starts (another number of processes than the checkpoint's, what
+    finding the checkpoint noted, no checkpoint yet for --resume auto) and of the data's labels."""
+    notes = checkpoints.elastic_note(origin.resumed["world_size"], world) if origin.resumed else []
+    notes += origin.notes + data_notes
     if cfg.resume == "auto" and not origin.resume:
         notes.append(f"--resume auto: no checkpoint in {origin.folder / 'checkpoints'} yet: the run starts from its "
                      "beginning")
-    job.data.heads.clear()  # the first samples read for the checks at start (up to a global batch) are not kept
-    output = _output(cfg, accelerator, origin, state, shape)
-    r = Run(cfg, job, accelerator, group.engine, trained, scoring, Loaders(train_loader, eval_loader, augment), shape,
-            output, state, Clock(logged_step=state.step), notes, started)
-    _announce(r)
-    return r
+    return notes
 
 
 def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, ddp: list | None = None) -> Accelerator:
@@ -306,18 +336,25 @@ def _placement(accelerator: Accelerator, train_loader, eval_loader) -> list | No
                           for loader in (train_loader, eval_loader)), None]
 
 
-def _output(cfg: TrainConfig, accelerator: Accelerator, origin: _Origin, state: RunState, shape: Shape) -> Output:
+def _output(cfg: TrainConfig, accelerator: Accelerator, origin: _Origin, state: RunState, shape: Shape,
+            unnamed: tuple[str, ...] = ()) -> Output:
     """Startup succeeded: only now does the run write anything (the folder locked, its config, the trackers)."""
     # --resume auto with no checkpoint yet: an earlier attempt's files (stopped before its first checkpoint) are
     # replaced, from step 0 on.
     again = cfg.resume == "auto"
     existed = origin.folder.exists()
-    processes.main_decides(lambda: lock_run_folder(origin.folder, origin.resume is not None or again))
-    if cfg.log_with:  # before the run's own files: a tracker that fails to start leaves the folder reusable
-        processes.main_decides(lambda: trackers.start(accelerator, cfg, origin.folder, existed))
-    files = RunFiles(origin.folder, enabled=accelerator.is_main_process,
-                     resumed_step=state.step if origin.resumed or again else None)
-    files.write_config(cfg)
+    lock = []  # the folder's lock, held by the main process until the run ends (RunFiles.release)
+    processes.main_decides(lambda: lock.append(lock_run_folder(origin.folder, origin.resume is not None or again)))
+    try:
+        if cfg.log_with:  # before the run's own files: a tracker that fails to start leaves the folder reusable
+            processes.main_decides(lambda: trackers.start(accelerator, cfg, origin.folder, existed))
+        files = RunFiles(origin.folder, enabled=accelerator.is_main_process,
+                         resumed_step=state.step if origin.resumed or again else None, lock=lock[0] if lock else None)
+    except BaseException:
+        for handle in lock:
+            handle.close()
+        raise
+    files.write_config(cfg, unnamed)
     saver = Checkpoints(accelerator, origin.folder / "checkpoints", cfg.keep_last)
     saver.last = origin.resume
     progress = Progress(cfg.progress, accelerator.is_main_process, shape.total_steps, shape.epochs, shape.per_epoch)

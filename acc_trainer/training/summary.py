@@ -109,12 +109,23 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
 
 def run_summary(r: Run, agreement: dict) -> dict:
     """What summary.json holds: the results, how the run was made, and how fast."""
-    cfg, accelerator, state, clock, trained = r.cfg, r.accelerator, r.state, r.clock, r.trained
-    final = state.evals[-1] if state.evals else None
-    samples_per_s = (state.step - r.shape.start_step) * cfg.batch_size / clock.train_time if clock.train_time else None
-    peak = device_peak_flops(accelerator.device)
-    flops_per_s = trained.flops * samples_per_s if samples_per_s and trained.flops else None
-    checked = r.scoring.checked
+    return {
+        **_how_made(r),
+        **_progress(r),
+        **_trained_weights(r),
+        **_tables(r),
+        **_speed(r),
+        "ranks_agree": agreement["agree"],  # None: not checked (ranks_check says why)
+        "ranks_check": agreement["detail"],
+        "notes": r.notes,
+        "output_dir": str(r.output.folder),
+        "versions": library_versions(),
+    }
+
+
+def _how_made(r: Run) -> dict:
+    """The workload, the loss and metrics, and the processes and batches it was trained with."""
+    cfg, accelerator, checked = r.cfg, r.accelerator, r.scoring.checked
     return {
         "model": r.job.model_name,
         "dataset": r.job.dataset_name,
@@ -124,7 +135,7 @@ def run_summary(r: Run, agreement: dict) -> dict:
         "unused_parameters": checked.unused,
         "metrics": list(r.scoring.metrics),
         "augment": _describe_augment(r.loaders.augment, cfg),
-        "weights": f"ema (decay {cfg.ema})" if trained.ema else "trained",
+        "weights": f"ema (decay {cfg.ema})" if r.trained.ema else "trained",
         "world_size": r.world,
         "distributed_type": accelerator.distributed_type.value,
         "device": accelerator.device.type,
@@ -132,6 +143,14 @@ def run_summary(r: Run, agreement: dict) -> dict:
         "global_batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
         "per_process_batch_size": r.per_process_batch,
+    }
+
+
+def _progress(r: Run) -> dict:
+    """How far the run went (steps, epochs, samples, those skipped) and its evaluations."""
+    cfg, state = r.cfg, r.state
+    final = state.evals[-1] if state.evals else None
+    return {
         "steps": state.step,
         "skipped_steps": state.skipped_steps,
         "bad_sample_steps": state.bad_sample_steps,
@@ -145,6 +164,13 @@ def run_summary(r: Run, agreement: dict) -> dict:
         "evals": state.evals,
         "best": _best(cfg, state.evals),
         "stopped_early": state.stopped_early,
+    }
+
+
+def _trained_weights(r: Run) -> dict:
+    """The trained weights: how they started, their counts, the adapters, the frozen ones, the optimizer's groups."""
+    cfg, trained = r.cfg, r.trained
+    return {
         "init": trained.tuning.init,
         "parameters": trained.counts,  # trainable (now) and total
         "lora": {"rank": cfg.lora, "alpha": cfg.lora_alpha or 2 * cfg.lora, "targets": cfg.lora_targets or "all-linear"}
@@ -152,7 +178,16 @@ def run_summary(r: Run, agreement: dict) -> dict:
         "frozen_weights": trained.frozen,  # what a checkpoint does not hold: their digest, checked on resume
         "param_groups": [{"lr_mult": g.get("lr_mult", 1.0), "weight_decay": g.get("weight_decay"),
                           "parameters": len(g["params"])} for g in trained.optimizer.param_groups],
-        **_tables(r),
+    }
+
+
+def _speed(r: Run) -> dict:
+    """Where the run resumed from, how long it took, and how fast it trained (samples, FLOPs, memory)."""
+    cfg, clock, trained = r.cfg, r.clock, r.trained
+    samples_per_s = (r.state.step - r.shape.start_step) * cfg.batch_size / clock.train_time if clock.train_time else None
+    peak = device_peak_flops(r.accelerator.device)
+    flops_per_s = trained.flops * samples_per_s if samples_per_s and trained.flops else None
+    return {
         "resumed_from": str(r.output.resume) if r.output.resume else None,
         "wall_time_s": time.perf_counter() - r.started,
         "train_time_s": clock.train_time,
@@ -162,12 +197,7 @@ def run_summary(r: Run, agreement: dict) -> dict:
         "flops_per_s": flops_per_s,
         # against the bf16 peak of one device, as nanoGPT reports MFU
         "mfu": flops_per_s / (peak * r.world) if flops_per_s and peak else None,
-        "peak_memory_mb": peak_memory_mb(accelerator.device),
-        "ranks_agree": agreement["agree"],  # None: not checked (ranks_check says why)
-        "ranks_check": agreement["detail"],
-        "notes": r.notes,
-        "output_dir": str(r.output.folder),
-        "versions": library_versions(),
+        "peak_memory_mb": peak_memory_mb(r.accelerator.device),
     }
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import recursively_apply
 
-IGNORE_INDEX = -100  # targets torch's cross-entropy (and Hugging Face models) leave out
+from ..data.datasets import IGNORE_INDEX
 
 
 def forward(model, batch) -> tuple[Any, Any]:
