@@ -112,7 +112,9 @@ def test_streams_train_alike_on_one_and_two_processes(runs):
         assert two["world_size"] == 2 and two["ranks_agree"]
         assert one["train_samples"] == two["train_samples"] == 16 * 12
         assert one["eval_samples"] == two["eval_samples"] == streams_data.EVAL, kind
-        assert abs(one["eval"]["loss"] - two["eval"]["loss"]) < 1e-6, kind
+        # The weights end up to 6.3e-7 apart (float32 sums of the gradients in another order: "map" measured, the same
+        # on the code before the sub-package split), which moves a loss of 2.56 by 1.1e-6: relative, not absolute.
+        assert abs(one["eval"]["loss"] - two["eval"]["loss"]) <= 1e-6 * max(1.0, abs(one["eval"]["loss"])), kind
     for run in runs["three"].iterdir():  # 31 samples on 3 processes (global evaluation batches of 12)
         if run.is_dir():
             assert summary(run)["eval_samples"] == streams_data.EVAL

@@ -95,9 +95,8 @@ def check_same_data(accelerator: Accelerator, data: Data) -> None:
     from ..data.streams import fingerprint, first
 
     if data.kind.streams:  # the first samples' fingerprint: a stream split by process differs
-        rows = [fingerprint(first(d, 4, heads=data.heads)) if kind.stream else
-                [float(kind.length), 0.0] if d is not None else [-1.0, 0.0]
-                for d, kind in ((data.train, data.kind.train), (data.eval, data.kind.eval))]
+        rows = [[-1.0, 0.0] if d is None else fingerprint(first(d, 4, heads=data.heads)) if kind.stream else
+                [float(kind.length), 0.0] for d, kind in ((data.train, data.kind.train), (data.eval, data.kind.eval))]
         everywhere = accelerator.gather(torch.tensor([sum(rows, [])], dtype=torch.float64,
                                                      device=accelerator.device)).tolist()
         if any(row != everywhere[0] for row in everywhere):
