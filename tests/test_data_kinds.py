@@ -81,3 +81,23 @@ def test_a_finished_run_lets_its_folder_go(tmp_path):
                     output_dir=str(out))
     with open(out / ".lock", "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a run holds it
+
+
+def test_a_start_that_fails_after_locking_lets_the_folder_go(tmp_path, monkeypatch):
+    """A failure between locking the folder and the first step (here the start line) leaves no lock behind: the
+    same process can start a run on the folder again at once."""
+    import acc_trainer
+    from acc_trainer.training import setup
+
+    def broken(r):
+        raise RuntimeError("the start line failed")
+
+    monkeypatch.setattr(setup, "_announce", broken)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="the start line failed") as failed:
+        acc_trainer.fit(torch.nn.Linear(4, 2), Files(), None, epochs=1, batch_size=8, progress="none", plots=False,
+                        output_dir=str(out))
+    # The traceback is kept (as a notebook keeps the last one): its frames hold the run's objects, the lock's too.
+    assert failed.traceback
+    with open(out / ".lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -21,7 +21,7 @@ from ..config import TrainConfig
 from . import augment as augmentation
 from .datasets import DATASETS, Data, IndexBatches, InMemory, Uncollated, augmented, one_at_a_time, steps_per_epoch
 from .faults import Guarded
-from .kinds import SetKind
+from .kinds import SetKind, set_kind
 from .streams import StreamLoader
 
 
@@ -52,12 +52,15 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
     # Over indices, not the dataset: Accelerate pickles the sampler into every checkpoint.
     sampler = RandomSampler(range(len(data.train)), num_samples=per_epoch * cfg.batch_size)
     micro_batch = cfg.batch_size // cfg.grad_accum
-    train_set = placed(augmented(data.raw, augment) if augment else data.train, kind.train, device)
+    train_set = augmented(data.raw, augment) if augment else data.train
+    # An augmented set is made here, from the raw images: its kind is its own (the built-in sets' is data.train's).
+    train_kind = set_kind(train_set, cfg.data_pipeline, collate) if augment else kind.train
+    train_set = placed(train_set, train_kind, device)
     eval_set = placed(data.eval, kind.eval, device) if data.eval is not None else None
     workers = cfg.num_workers
     if workers is None:  # workers for the built-in datasets read per sample; a user's may not survive spawn
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        per_sample = not kind.train.batched
+        per_sample = not train_kind.batched
         workers = min(8, max(1, (os.cpu_count() or 1) // local - 1)) if per_sample and cfg.dataset in DATASETS else 0
 
     def loading(dataset) -> dict:
@@ -65,11 +68,11 @@ def build_loaders(cfg: TrainConfig, data: Data, world: int, device: torch.device
             return {"num_workers": 0, "pin_memory": False}
         return {"num_workers": workers, "pin_memory": device.type == "cuda", "persistent_workers": workers > 0}
 
-    if kind.train.batched:  # whole batches at once
+    if train_kind.batched:  # whole batches at once
         batching = {"batch_sampler": IndexBatches(sampler, micro_batch), "collate_fn": InMemory.collate}
     else:
         batching = {"sampler": sampler, "batch_size": micro_batch, "drop_last": True, "collate_fn": collate}
-        if kind.train.guarded:
+        if train_kind.guarded:
             train_set, batching["collate_fn"] = Guarded(train_set), partial(Guarded.collate, collate=collate)
     # Each loader draws its workers' base seed from a generator of its own at every iteration, not from
     # the global RNG: a resumed run starts a new iteration mid-epoch, which would shift every random

@@ -180,8 +180,8 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset, group: proces
     if kind.stream:  # its own loader (streams.py), which already holds this process's share
         loader = stream_evaluation(cfg, dataset, per_process * world, world, accelerator.process_index, job.collate,
                                    accelerator.device, processes.summing(accelerator), job.dataset_name, job.data.heads)
-    else:  # served as a training run serves its evaluation set
-        loader = evaluation_loader(placed(dataset, kind, accelerator.device), kind, per_process * world, cfg.seed,
+    else:  # served as a training run serves its evaluation set, from the CPU (the model may need the device's memory)
+        loader = evaluation_loader(placed(dataset, kind, torch.device("cpu")), kind, per_process * world, cfg.seed,
                                    collate=job.collate)
     job.data.heads.clear()  # the first samples read for the checks at start
     model, loader = accelerator.prepare(job.model, loader)

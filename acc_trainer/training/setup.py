@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -234,9 +235,10 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     notes += _start_notes(cfg, origin, world, job.data.notes)
     job.data.heads.clear()  # the first samples read for the checks at start (up to a global batch) are not kept
     output = _output(cfg, accelerator, origin, state, shape, job.unnamed)
-    r = Run(cfg, job, accelerator, group.engine, trained, scoring, Loaders(train_loader, eval_loader, augment), shape,
-            output, state, Clock(logged_step=state.step), notes, started)
-    _announce(r)
+    with _released_on_failure(output.files):
+        r = Run(cfg, job, accelerator, group.engine, trained, scoring, Loaders(train_loader, eval_loader, augment), shape,
+                output, state, Clock(logged_step=state.step), notes, started)
+        _announce(r)
     return r
 
 
@@ -354,11 +356,22 @@ def _output(cfg: TrainConfig, accelerator: Accelerator, origin: _Origin, state: 
         for handle in lock:
             handle.close()
         raise
-    files.write_config(cfg, unnamed)
-    saver = Checkpoints(accelerator, origin.folder / "checkpoints", cfg.keep_last)
-    saver.last = origin.resume
-    progress = Progress(cfg.progress, accelerator.is_main_process, shape.total_steps, shape.epochs, shape.per_epoch)
+    with _released_on_failure(files):
+        files.write_config(cfg, unnamed)
+        saver = Checkpoints(accelerator, origin.folder / "checkpoints", cfg.keep_last)
+        saver.last = origin.resume
+        progress = Progress(cfg.progress, accelerator.is_main_process, shape.total_steps, shape.epochs, shape.per_epoch)
     return Output(origin.folder, origin.resume, files, saver, progress)
+
+
+@contextmanager
+def _released_on_failure(files: RunFiles):
+    """A start that fails once the folder is locked lets the lock go (the run's own `finally` is not reached yet)."""
+    try:
+        yield
+    except BaseException:
+        files.release()
+        raise
 
 
 def stream_position(epoch: int, start: int, epoch_steps: int | None) -> dict:
