@@ -346,6 +346,11 @@ class TrainConfig:
                                   "pkg.module:attr" + did_you_mean(value, builtins))
         if self.unfreeze_at is not None and (self.freeze is None or self.unfreeze_at < 1):
             raise ConfigError("--unfreeze-at takes an epoch from 1 on, with --freeze")
+        if self.freeze is not None:
+            try:
+                re.compile(self.freeze)
+            except re.error as e:
+                raise ConfigError(f"--freeze {self.freeze!r} is not a regular expression ({e})") from None
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise ConfigError(f"--layer-decay takes a factor in (0, 1], got {self.layer_decay}")
 
@@ -414,11 +419,25 @@ def _lines(path: str, name: str) -> list[str]:
     return lines
 
 
+class UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (PyYAML's own keeps the last one, silently:
+    `epochs: 3` above `epochs: 30` would train 30)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        again = next((i for i, k in enumerate(keys) if k in keys[:i]), None)
+        if again is not None:
+            line = node.value[again][0].start_mark.line + 1
+            raise yaml.constructor.ConstructorError(None, None, f"the key {keys[again]!r} is given twice (again on line "
+                                                    f"{line})")
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a dict of known option names (dashes or underscores)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=UniqueKeys)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:

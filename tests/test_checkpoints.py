@@ -409,3 +409,33 @@ def test_eval_every_n_steps_with_early_stopping_and_a_resume_counting_the_same(t
     assert resumed["steps"] == whole["steps"] and resumed["best"] == whole["best"]
     a, b = load_file(out / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_nan_in_the_evaluation_set_stops_the_run_in_one_line(tmp_path):
+    """An evaluation whose loss is NaN (a NaN in the evaluation set) stops every process with one line and exit 1,
+    after a checkpoint (the weights are sound: fix the data and resume); the run's files stay JSON: metrics.jsonl
+    never holds a bare NaN, and a metric with nothing to measure is null there."""
+    import acc_trainer
+    from acc_trainer.stopping import TrainingStopped
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    bad = x[:16].clone()
+    bad[3, 1] = float("nan")
+    sets = torch.utils.data.TensorDataset(x, y), torch.utils.data.TensorDataset(bad, y[:16])
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match="the evaluation at step 4 gave a nan loss") as stopped:
+        acc_trainer.fit(torch.nn.Linear(4, 2), *sets, epochs=2, batch_size=16, progress="none", plots=False,
+                        output_dir=str(out))
+    assert stopped.value.code == 1 and complete_checkpoints(out / "checkpoints")[-1].name == "step-00000004"
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    # AUROC of a set with one class measures nothing: NaN, written as null.
+    one_class = torch.utils.data.TensorDataset(x[:16], torch.zeros(16, dtype=torch.long))
+    acc_trainer.fit(torch.nn.Linear(4, 2), sets[0], one_class, epochs=1, batch_size=16, progress="none", plots=False,
+                    metrics=["accuracy", "auroc"], output_dir=str(tmp_path / "one_class"))
+    records = [json.loads(line, parse_constant=strict) for line in (tmp_path / "one_class" / "metrics.jsonl").open()]
+    assert [r["eval_auroc"] for r in records if "eval_auroc" in r] == [None]
+    json.loads((tmp_path / "one_class" / "summary.json").read_text(), parse_constant=strict)

@@ -134,6 +134,8 @@ BAD_INPUTS = [
     (["--config", "{tmp}/unknown.yaml"], "unknown option 'learning_rate'"),
     (["--config", "{tmp}/typo.yaml"], "unknown option 'batch-sise'; did you mean batch-size?"),
     (["--config", "{tmp}/wrongtype.yaml"], "option 'epochs' must be int, got 'three'"),
+    (["--config", "{tmp}/twice.yaml"], "the key 'epochs' is given twice (again on line 3)"),
+    (["--freeze", "("], "--freeze '(' is not a regular expression (missing ), unterminated subpattern"),
     (["--dataset", "imagefolder", "--data-dir", "{tmp}/nowhere"], "imagefolder needs {tmp}/nowhere/train"),
     (["--dataset", "cifar10", "--data-dir", "{tmp}/nocifar"], "put the extracted 'cifar-10-batches-py' folder"),
     (["--model", "linreg"], "use it with --dataset linear"),
@@ -150,6 +152,7 @@ def _bad_input_files(tmp_path: Path) -> Path:
     (tmp_path / "unknown.yaml").write_text("learning_rate: 0.1\n")
     (tmp_path / "typo.yaml").write_text("batch-sise: 64\n")
     (tmp_path / "wrongtype.yaml").write_text("epochs: three\n")
+    (tmp_path / "twice.yaml").write_text("epochs: 1\nlr: 0.1\nepochs: 30\n")
     return _existing_run(tmp_path)
 
 
@@ -164,6 +167,34 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, main_in_process, args,
     # Nothing already written is touched, and a failed start leaves no half-made run behind.
     assert (earlier / "model.safetensors").read_bytes() == b"weights of an earlier run"
     assert not (tmp_path / "runs").exists()
+
+
+# Accelerate's own variables (accelerate launch and its config files set them): Accelerate raises deep inside on a value
+# it cannot read, or trains with one it does not know ("bogus" recorded as the precision).
+BAD_VARIABLES = [
+    ("ACCELERATE_USE_CPU", "maybe", "is not true or false"),
+    ("ACCELERATE_DEBUG_MODE", "notbool", "is not true or false"),
+    ("ACCELERATE_DYNAMO_BACKEND", "bogus", "is not one of no, eager"),
+    ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "abc", "is not a whole number"),
+    ("ACCELERATE_MIXED_PRECISION", "bogus", "is not one of no, fp8, fp16, bf16"),
+]
+
+
+@pytest.mark.parametrize("name,value,message", BAD_VARIABLES, ids=[n for n, _, _ in BAD_VARIABLES])
+def test_a_bad_accelerate_variable_is_one_line_naming_it(tmp_path, main_in_process, monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    code, _, stderr = main_in_process("--max-steps", "2", "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and stderr.startswith(f"acc-trainer: error: {name}={value} (in the environment) {message}"), stderr
+    assert stderr.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
+def test_fit_without_training_data_is_one_line():
+    import torch
+
+    import acc_trainer
+
+    with pytest.raises(ConfigError, match="the training data of fit\\(\\) is None: give a dataset"):
+        acc_trainer.fit(torch.nn.Linear(2, 2), None)
 
 
 # Each command parses its own options the same way: one line, no abbreviation, the nearest known option.

@@ -289,3 +289,18 @@ def test_best_means_one_thing_everywhere(tmp_path, capsys, torch_on_one_thread):
     assert f"loss {losses[by_loss]:.4g} at step {by_loss}" in row
     table = report([tmp_path / "run"], ["run"], tmp_path / "report.png")
     assert table.columns[8]._cells == [f"loss {losses[by_loss]:.4g} @ {by_loss}"]
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluate_and_predict_leave_the_model_in_its_mode(training):
+    """The caller's model comes back from `evaluate` and `predict` in the mode it was given in (they used to leave it in
+    training mode: dropout on in the caller's next forward pass)."""
+    import acc_trainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)).train(training)
+    data = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randint(0, 3, (20,)))
+    results = acc_trainer.evaluate(model, data, batch_size=4, progress="none")
+    assert results["samples"] == 20 and model.training is training and model[1].training is training
+    rows = acc_trainer.predict(model, data, batch_size=4, progress="none")
+    assert len(rows) == 20 and model.training is training and model[1].training is training

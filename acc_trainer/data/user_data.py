@@ -16,6 +16,8 @@ from .kinds import is_stream
 
 def data_from(train, eval_, name: str) -> Data:
     """A user's datasets as `Data`: the task and the number of classes are read off the samples."""
+    if train is None:
+        raise ConfigError(f"the training data of {name} is None: give a dataset (map-style, or an iterable one)")
     streams_ = (is_stream(train), is_stream(eval_))  # asked once; the run then reads Data.kind (kinds.settle)
     for split, dataset, stream in (("training", train, streams_[0]), ("evaluation", eval_, streams_[1])):
         if dataset is not None and not stream and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):

@@ -19,7 +19,7 @@ from accelerate import Accelerator, InitProcessGroupKwargs, PartialState
 from accelerate.utils import DistributedType, broadcast, broadcast_object_list
 
 from .. import patches
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, did_you_mean
 from ..data.datasets import Data
 from ..workload.measure import fingerprint
 from . import engines
@@ -41,6 +41,7 @@ def start(cfg: TrainConfig) -> Group:
     the engine the accelerate config selects, and whether to run on the CPU."""
     # Without a GPU, cpu=True is what makes processes started by `accelerate launch --multi_gpu`
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
+    check_accelerate_environment()  # before Accelerate reads the variables (it raises on a bad one, deep inside)
     cpu = cfg.cpu or not torch.cuda.is_available()
     engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
     patches.apply_to_process()  # Accelerate's per-step lookups once, and no DeepSpeed import (docs/performance.md)
@@ -51,6 +52,37 @@ def start(cfg: TrainConfig) -> Group:
     state = PartialState(cpu=cpu, **timeout.to_kwargs())
     warn_if_restarts_share_a_store(state)
     return Group(state, engine, cpu, timeout)
+
+
+# The variables Accelerate reads as it builds its state (accelerate launch and its config files set them), by how it
+# parses them: a bad value raises ValueError inside Accelerate, far from the variable that caused it.
+ACCELERATE_FLAGS = ("ACCELERATE_USE_CPU", "ACCELERATE_DEBUG_MODE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED",
+                    "ACCELERATE_USE_MEGATRON_LM", "ACCELERATE_CPU_AFFINITY", "ACCELERATE_ENABLE_RICH",
+                    "ACCELERATE_INIT_INCLUDE_BUFFERS", "ACCELERATE_DYNAMO_USE_FULLGRAPH", "ACCELERATE_DYNAMO_USE_DYNAMIC",
+                    "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION")
+ACCELERATE_COUNTS = ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_NUM_PROCESSES", "ACCELERATE_DEEPSPEED_ZERO_STAGE")
+
+
+def check_accelerate_environment() -> None:
+    """Accelerate's variables with a value it cannot read are one line naming the variable (ConfigError)."""
+    from accelerate.utils import DynamoBackend, PrecisionType
+
+    for name in ACCELERATE_FLAGS:
+        value = os.environ.get(name)
+        if value is not None and value.lower() not in ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false",
+                                                       "off", "0"):
+            raise ConfigError(f"{name}={value} (in the environment) is not true or false (1/0, yes/no, true/false)")
+    for name in ACCELERATE_COUNTS:
+        value = os.environ.get(name)
+        if value is not None and not (value.strip().isdigit() or name.endswith("ACCUMULATION_STEPS") and value == "auto"):
+            raise ConfigError(f"{name}={value} (in the environment) is not a whole number")
+    choices = {"ACCELERATE_MIXED_PRECISION": [p.value for p in PrecisionType],
+               "ACCELERATE_DYNAMO_BACKEND": [b.value.lower() for b in DynamoBackend]}
+    for name, allowed in choices.items():
+        value = os.environ.get(name)
+        if value is not None and value.lower() not in allowed:
+            raise ConfigError(f"{name}={value} (in the environment) is not one of {', '.join(allowed)}"
+                              + did_you_mean(value.lower(), allowed))
 
 
 def warn_if_restarts_share_a_store(state: PartialState) -> None:

@@ -4,6 +4,7 @@ process writes there (config.yaml, metrics.jsonl, summary.json)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -112,7 +113,7 @@ class RunFiles:
     def log(self, record: dict) -> None:
         if self.enabled:
             with self.writing(self.folder / "metrics.jsonl"):
-                self._metrics.write(json.dumps(record) + "\n")
+                self._metrics.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
 
     @contextmanager
     def writing(self, path: Path):
@@ -154,7 +155,8 @@ class RunFiles:
             with self.writing(self.folder / "metrics.jsonl"):
                 self._metrics.close()
             with self.writing(self.folder / "summary.json"):
-                _write_atomically(self.folder / "summary.json", json.dumps(summary, indent=2) + "\n")
+                _write_atomically(self.folder / "summary.json", json.dumps(strict_json(summary), indent=2, allow_nan=False)
+                                  + "\n")
 
     def release(self) -> None:
         """The run has ended: metrics.jsonl closed and the folder's lock let go (another run may take the folder)."""
@@ -245,3 +247,15 @@ def output_dir(cfg: TrainConfig, model_name: str, dataset_name: str) -> Path:
         raise ConfigError(f"--output-dir {out} already holds a run; choose a new folder, or add --resume auto")
     PartialState().wait_for_everyone()  # every process has checked before the main one writes
     return out
+
+
+def strict_json(value):
+    """`value` as JSON can hold it: a NaN or an infinity (a metric with nothing to measure, AUROC of one class) becomes
+    null, which every JSON reader takes (Python's NaN, written bare, is not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, TrainConfig, did_you_mean, first_line, make_config, option_names
+from ..config import ConfigError, TrainConfig, UniqueKeys, did_you_mean, first_line, make_config, option_names
 
 # The keys of a space file, with their defaults (None: worked out from the others).
 SPACE_KEYS = {"options": {}, "search": {}, "metric": "loss", "direction": None, "trials": None, "sampler": "tpe",
@@ -45,7 +45,7 @@ class Space:
 def read_space(path: Path, overrides: dict | None = None) -> Space:
     """The space file, with the command line's `overrides` (sweep keys) over it; every mistake one ConfigError."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=UniqueKeys)
     except OSError as e:
         raise ConfigError(f"space file {path} cannot be read ({e.strerror or type(e).__name__})") from None
     except yaml.YAMLError as e:

@@ -16,13 +16,9 @@ Predictions are written by the main process as the batches arrive.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
-import shutil
 import sys
-import tempfile
-import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +45,7 @@ from ..training.setup import accelerator_for, training_loss
 from ..workload import components
 from ..workload.first_batch import check_fit
 from ..workload.losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
+from .prediction_files import Writer, check_rows
 
 FORMATS = (".jsonl", ".csv", ".npz")
 
@@ -73,7 +70,8 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward,
                                   cfg.pack, cfg.data_pipeline)
-    return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
+    with _mode_kept(model):
+        return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
 
 
 def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=None,
@@ -94,8 +92,18 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
     if generate and tokenizer is None and isinstance(model_or_run, (str, os.PathLike)):
         tokenizer = _saved_tokenizer(Path(model_or_run))
     job.tokenizer = load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
-    # a row per block with --pack
-    return _predict(cfg, job, job.data.train, Path(output) if output else None, generate=generate)[0]
+    with _mode_kept(model):  # a row per block with --pack
+        return _predict(cfg, job, job.data.train, Path(output) if output else None, generate=generate)[0]
+
+
+@contextmanager
+def _mode_kept(model):
+    """The caller's model is left in the mode it was given in (training or evaluation) once evaluated or run."""
+    training = model.training
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str) -> tuple:
@@ -394,97 +402,6 @@ class _progress:
     def __exit__(self, *exc):
         if self.show:
             self.bar.stop()
-
-
-def check_rows(rows: list[dict], path: Path) -> None:
-    """Whether the rows fit the output's format: .csv and .npz take numbers (one, or a list of them), .csv texts too."""
-    if path.suffix == ".jsonl" or not rows:
-        return
-    for value in rows[0].values():
-        numbers = isinstance(value, (int, float)) or isinstance(value, list) and all(isinstance(v, (int, float))
-                                                                                     for v in value)
-        if not (numbers or path.suffix == ".csv" and isinstance(value, str)):
-            kind = "rows of numbers" + (" or texts" if path.suffix == ".csv" else "")
-            raise ConfigError(f"predict: these outputs are not {kind}; write them as .jsonl, not {path.suffix}")
-
-
-def _columns(row: dict):
-    """A row's CSV columns: a list spreads into name_0, name_1, ... (`output` always does: output_0)."""
-    for name, value in row.items():
-        if isinstance(value, list) or name == "output":
-            yield from ((f"{name}_{i}", v) for i, v in enumerate(value if isinstance(value, list) else [value]))
-        else:
-            yield name, value
-
-
-class Writer:
-    """Rows to a .jsonl or .csv file line by line, or to .npz arrays filled as they come (memory-mapped
-    .npy files, zipped at the end): a large set never sits in memory whole. Written in a folder of its own
-    beside the output, moved into place when complete."""
-
-    def __init__(self, path: Path | None, size: int):
-        self.path, self.size, self.done = path, size, 0
-        if path is None:
-            return
-        self.folder = Path(tempfile.mkdtemp(prefix=".predict-", dir=path.parent))
-        self.file = None if path.suffix == ".npz" else open(self.folder / path.name, "w", newline="")
-        self.arrays = {}
-
-    def write(self, rows: list[dict]) -> None:
-        if self.path is None or not rows:
-            return
-        if self.path.suffix == ".jsonl":
-            self.file.write("".join(json.dumps(r) + "\n" for r in rows))
-        elif self.path.suffix == ".csv":
-            self._csv(rows)
-        else:
-            self._npz(rows)
-        self.done += len(rows)
-
-    def _csv(self, rows: list[dict]) -> None:
-        flat = [dict(_columns(r)) for r in rows]
-        if self.done == 0:
-            self.csv = csv.writer(self.file)
-            self.csv.writerow(list(flat[0]))
-        for values in flat:
-            self.csv.writerow(list(values.values()))
-
-    def _npz(self, rows: list[dict]) -> None:
-        import numpy as np
-
-        columns = {name: [r[name] for r in rows] for name in rows[0]}  # one array a column
-        if self.done + len(rows) > self.size:
-            raise ConfigError(f"predict: the dataset gave more than the {self.size:,} samples its __len__ says")
-        for name, values in columns.items():
-            values = np.asarray(values)
-            if name not in self.arrays:
-                self.arrays[name] = np.lib.format.open_memmap(self.folder / f"{name}.npy", mode="w+", dtype=values.dtype,
-                                                              shape=(self.size, *values.shape[1:]))
-            self.arrays[name][self.done: self.done + len(values)] = values
-
-    def close(self) -> None:
-        if self.path is None:
-            return
-        if self.file is not None:
-            self.file.close()
-            os.replace(self.folder / self.path.name, self.path)
-        else:
-            if self.done != self.size:
-                raise ConfigError(f"predict: the dataset gave {self.done:,} samples, its __len__ says {self.size:,}")
-            for array in self.arrays.values():
-                array.flush()
-            with zipfile.ZipFile(self.folder / self.path.name, "w", zipfile.ZIP_STORED) as archive:
-                for name in self.arrays:
-                    archive.write(self.folder / f"{name}.npy", f"{name}.npy")
-            os.replace(self.folder / self.path.name, self.path)
-        self.discard()
-
-    def discard(self) -> None:
-        if self.path is None:
-            return
-        if self.file is not None and not self.file.closed:
-            self.file.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------- the command line

@@ -19,6 +19,7 @@ in every checkpoint; the prepared objects are the parts of one `Run` (setup.py).
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import sys
 import time
@@ -387,6 +388,11 @@ def keep_evaluation(r: Run, results: dict) -> None:
     if unreadable:  # an evaluation counts every sample: never skipped
         raise_unreadable(r, unreadable, "evaluation", state.step)
     r.tables = results.pop("tables", {})
+    if "loss" in results and not math.isfinite(results["loss"]):  # every process has the same all-reduced loss
+        _checkpoint_this_step(r)
+        raise TrainingStopped(f"the evaluation at step {state.step} gave a {results['loss']} loss (a NaN or inf in the "
+                              "evaluation set, or in the model's outputs on it); stopped all processes, checkpoint saved "
+                              f"in {r.output.checkpoints.last}", code=1)
     state.evals.append({"step": state.step, "epoch": epoch + 1, **results})
     r.output.files.log({"step": state.step, "epoch": epoch + 1, **{f"eval_{k}": v for k, v in results.items()}})
     if cfg.log_with:

@@ -316,7 +316,7 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate
     `pipeline`: --data-pipeline)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
-    name = type(train_data).__name__
+    name = type(train_data).__name__ if train_data is not None else "fit()"
     data = settle(data_from(*packing.pack_sets(train_data, eval_data, pack, name), name), pipeline, collate)
     loss_name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
     if isinstance(loss, str):
