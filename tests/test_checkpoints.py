@@ -292,18 +292,22 @@ def test_resume_errors_on_the_command_line(saved_run, tmp_path, main_in_process)
     finished = saved_run.parent / "finished"  # a finished run that kept no checkpoint
     finished.mkdir(exist_ok=True)
     (finished / "summary.json").write_text("{}")
-    before = (saved_run / "metrics.jsonl").read_text()
+    before = (saved_run / "metrics.jsonl").read_text(), (saved_run / "summary.json").read_text()
     for args, message in [
         (["--resume", tmp_path / "nowhere"], f"--resume {tmp_path}/nowhere: no such checkpoint folder"),
         (["--resume", "auto", "--output-dir", saved_run.parent / "finished"],
-         f"--resume auto: {saved_run.parent}/finished holds a finished run and no checkpoint to continue it from"),
+         f"--resume auto: {saved_run.parent}/finished holds a finished run (its summary.json), with nothing left to "
+         "continue; choose a new --output-dir\n"),
+        # With its checkpoints: resuming from the last one rewrote summary.json with that short attempt's figures.
+        (["--resume", "auto", "--output-dir", saved_run], f"{saved_run} holds a finished run (its summary.json), with "
+         f"nothing left to continue; choose a new --output-dir, or --resume {saved_run}/checkpoints/step-00000"),
         (["--resume", "auto"], "--resume auto needs the --output-dir of the run to continue"),
         (["--model", "lenet", "--resume", saved_run / "checkpoints" / "step-00000004"], "is from a different run: model"),
     ]:
         code, _, stderr = main_in_process(*args)
         assert code == 2 and stderr.count("\n") == 1, stderr
         assert message in stderr
-    assert (saved_run / "metrics.jsonl").read_text() == before  # nothing written is lost or changed
+    assert ((saved_run / "metrics.jsonl").read_text(), (saved_run / "summary.json").read_text()) == before  # untouched
     # And as the shell sees it: exit code 2, one line.
     result = run_cli("--resume", tmp_path / "nowhere", cwd=tmp_path)
     assert result.returncode == 2
@@ -439,3 +443,32 @@ def test_a_nan_in_the_evaluation_set_stops_the_run_in_one_line(tmp_path):
     records = [json.loads(line, parse_constant=strict) for line in (tmp_path / "one_class" / "metrics.jsonl").open()]
     assert [r["eval_auroc"] for r in records if "eval_auroc" in r] == [None]
     json.loads((tmp_path / "one_class" / "summary.json").read_text(), parse_constant=strict)
+
+
+def test_a_run_resumed_from_an_older_checkpoint_keeps_its_own(tmp_path):
+    """Resumed from step 4 of a run that reached step 8, with --keep-last 1, and stopped at step 8's evaluation: the
+    checkpoint it wrote (step 6) is its newest, kept, and what --resume auto continues; the abandoned attempt's step 8
+    is set aside in checkpoints/abandoned/ (it used to be kept as the newest by its number, and step 6 deleted)."""
+    import acc_trainer
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_8(evaluation):
+        if evaluation["step"] == 8:
+            raise Stop
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
+    options = {"epochs": 2, "batch_size": 64, "eval_every": 2, "checkpoint_every": "2", "progress": "none",
+               "plots": False, "output_dir": str(tmp_path / "run")}
+    acc_trainer.fit(torch.nn.Linear(4, 2), data, data, **options)
+    folder = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in complete_checkpoints(folder)] == [f"step-0000000{s}" for s in (2, 4, 6, 8)]
+    with pytest.raises(Stop):
+        acc_trainer.fit(torch.nn.Linear(4, 2), data, data, **options, keep_last=1, resume=str(folder / "step-00000004"),
+                        on_evaluation=stop_at_8)
+    assert [p.name for p in complete_checkpoints(folder)] == ["step-00000006"]
+    assert (folder / "abandoned" / "step-00000008").is_dir() and not (tmp_path / "run" / "summary.json").exists()
+    summary = acc_trainer.fit(torch.nn.Linear(4, 2), data, data, **{**options, "resume": "auto"})
+    assert summary["resumed_from"].endswith("step-00000006") and summary["steps"] == 8

@@ -36,6 +36,7 @@ STATE_FILE = "trainer_state.json"
 SUMS = "SHA256SUMS"
 BEST = "best"
 NAME = re.compile(r"^step-(\d+)$")
+ABANDONED = "abandoned"  # checkpoints of an attempt a run resumed before (Checkpoints._set_aside_newer)
 # Options that may change between an interrupted run and its resumption: they do not change what is
 # computed. Every other option must match the checkpoint's.
 MAY_CHANGE = {"output_dir", "resume", "data_dir", "num_workers", "data_pipeline", "log_with", "project", "progress", "plots",
@@ -88,12 +89,26 @@ class Checkpoints:
                 shutil.rmtree(old)
             else:
                 tmp.rename(final)
+            if name != BEST:
+                self._set_aside_newer(state["step"])
             self._prune()
         self.accelerator.wait_for_everyone()
         if name != BEST:
             self.last = final
 
+    def _set_aside_newer(self, step: int) -> None:
+        """Checkpoints of later steps than the one just written are an attempt this run abandoned (it resumed from an
+        earlier checkpoint): moved into checkpoints/abandoned/, so that neither --keep-last nor --resume auto takes
+        them for this run's newest (said at start: abandoned_note)."""
+        for path in complete_checkpoints(self.folder):
+            if int(NAME.match(path.name)[1]) > step:
+                aside = self.folder / ABANDONED / path.name
+                aside.parent.mkdir(exist_ok=True)
+                shutil.rmtree(aside, ignore_errors=True)  # an older set-aside copy of the same step
+                path.rename(aside)
+
     def _prune(self) -> None:
+        """--keep-last: the newest checkpoints kept (by step: none is newer than the one just written)."""
         if self.keep_last:
             for old in complete_checkpoints(self.folder)[: -self.keep_last]:
                 shutil.rmtree(old)
@@ -162,8 +177,12 @@ def _chosen(cfg: TrainConfig, out: Path) -> tuple[str | None, list[str]]:
         if problem:
             raise ConfigError(f"checkpoint {path} is {problem}; resume from another one (--resume auto takes the "
                               "newest that verifies)")
-        return str(path), []
+        return str(path), abandoned_note(path)
     found, notes = complete_checkpoints(out / "checkpoints"), []
+    if (out / "summary.json").exists():  # written last: the run ended (resuming it would rewrite its summary)
+        again = f", or --resume {found[-1]} to train its last steps again" if found else ""
+        raise ConfigError(f"--resume auto: {out} holds a finished run (its summary.json), with nothing left to continue; "
+                          f"choose a new --output-dir{again}")
     for path in reversed(found):
         problem = damage(path)
         if problem is None:
@@ -171,10 +190,18 @@ def _chosen(cfg: TrainConfig, out: Path) -> tuple[str | None, list[str]]:
         notes.append(f"--resume auto: skipped checkpoint {path}: {problem}")
     if found:
         raise ConfigError(f"--resume auto: no checkpoint in {out / 'checkpoints'} verifies ({'; '.join(notes)})")
-    if (out / "summary.json").exists():
-        raise ConfigError(f"--resume auto: {out} holds a finished run and no checkpoint to continue it from; "
-                          "choose a new --output-dir")
     return None, []
+
+
+def abandoned_note(path: Path) -> list[str]:
+    """A run resumed from `path` while later checkpoints sit beside it: they are an attempt it abandons."""
+    step = NAME.match(path.name)
+    later = [p.name for p in complete_checkpoints(path.parent) if step and int(NAME.match(p.name)[1]) > int(step[1])]
+    if not later:
+        return []
+    return [f"note: resuming from {path.name}, this run abandons the later checkpoint(s) {', '.join(later)} beside it: its "
+            f"first checkpoint moves them to {path.parent / ABANDONED}/ (--resume auto and --keep-last then see this "
+            "run's)"]
 
 
 def write_sums(folder: Path, names: list[str] | None = None) -> None:

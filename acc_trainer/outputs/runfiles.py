@@ -87,7 +87,8 @@ class RunFiles:
 
     def __init__(self, folder: Path, enabled: bool, resumed_step: int | None = None, lock=None):
         """`resumed_step`: the run continues from a checkpoint at that step; records after it,
-        logged before the interruption, are dropped because the resumed run logs them again. `lock`: the folder's
+        logged before the interruption, are dropped because the resumed run logs them again, and a summary.json
+        left by an earlier end is removed (the run writes its own when it ends). `lock`: the folder's
         lock (lock_run_folder), let go by `release`."""
         self.folder, self.enabled = folder, enabled
         self._metrics, self._lock = None, lock
@@ -99,6 +100,8 @@ class RunFiles:
                     kept = [line for line in path.read_text().splitlines(keepends=True)
                             if _complete_record_before(line, resumed_step)]
                     _write_atomically(path, "".join(kept))
+                if resumed_step is not None:  # continued: a summary of an earlier end no longer describes the run
+                    (folder / "summary.json").unlink(missing_ok=True)
                 self._metrics = open(path, "a", buffering=1)  # line-buffered: survives a kill
 
     def write_config(self, cfg: TrainConfig, objects: tuple[str, ...] = ()) -> None:
