@@ -472,3 +472,20 @@ def test_a_run_resumed_from_an_older_checkpoint_keeps_its_own(tmp_path):
     assert (folder / "abandoned" / "step-00000008").is_dir() and not (tmp_path / "run" / "summary.json").exists()
     summary = acc_trainer.fit(torch.nn.Linear(4, 2), data, data, **{**options, "resume": "auto"})
     assert summary["resumed_from"].endswith("step-00000006") and summary["steps"] == 8
+
+
+def test_a_checkpoint_left_half_replaced_is_written_over(tmp_path):
+    """A write killed between renaming a checkpoint to .old-<name> and removing it leaves that folder: the next write of
+    the same name replaces it (it used to fail "Directory not empty" on the main process alone, the others waiting)."""
+    import acc_trainer
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(128, 4), torch.randint(0, 2, (128,)))
+    options = {"epochs": 1, "batch_size": 32, "checkpoint_every": "2", "progress": "none", "plots": False,
+               "output_dir": str(tmp_path / "run")}
+    acc_trainer.fit(torch.nn.Linear(4, 2), data, **options)
+    folder = tmp_path / "run" / "checkpoints"
+    shutil.copytree(folder / "step-00000004", folder / ".old-step-00000004")  # what the killed write left
+    summary = acc_trainer.fit(torch.nn.Linear(4, 2), data, **options, resume=str(folder / "step-00000002"))
+    assert summary["steps"] == 4 and [p.name for p in complete_checkpoints(folder)] == ["step-00000002", "step-00000004"]
+    assert not (folder / ".old-step-00000004").exists()

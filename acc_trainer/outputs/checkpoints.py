@@ -80,21 +80,37 @@ class Checkpoints:
 
             raise TrainingStopped(f"writing checkpoint {final} failed: {write_failure(error, tmp)}; {kept}", code=1)
         self.accelerator.wait_for_everyone()  # every process's files are in place
+        error = None
         if main:
-            write_sums(tmp)
-            if final.exists():
-                old = self.folder / f".old-{name}"
-                final.rename(old)
-                tmp.rename(final)
-                shutil.rmtree(old)
-            else:
-                tmp.rename(final)
-            if name != BEST:
-                self._set_aside_newer(state["step"])
-            self._prune()
-        self.accelerator.wait_for_everyone()
+            try:
+                self._put_in_place(tmp, final, state["step"] if name != BEST else None)
+            except WRITE_ERRORS as e:
+                error = e
+        # A failure there stops every process too (the main one alone would leave the others waiting).
+        if self.accelerator.gather(torch.tensor([error is not None], device=self.accelerator.device)).any():
+            from ..stopping import TrainingStopped
+
+            kept = f"the last complete checkpoint is {self.last}" if self.last else "no complete checkpoint was written"
+            raise TrainingStopped(f"putting checkpoint {final} in place failed: {write_failure(error, tmp)}; {kept}",
+                                  code=1)
         if name != BEST:
             self.last = final
+
+    def _put_in_place(self, tmp: Path, final: Path, step: int | None) -> None:
+        """The written folder summed and renamed to its final name (replacing one of that name), the abandoned attempt's
+        later checkpoints set aside, --keep-last applied. Main process only."""
+        write_sums(tmp)
+        if final.exists():
+            old = self.folder / f".old-{final.name}"
+            shutil.rmtree(old, ignore_errors=True)  # left by a write killed between the two renames
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        if step is not None:
+            self._set_aside_newer(step)
+        self._prune()
 
     def _set_aside_newer(self, step: int) -> None:
         """Checkpoints of later steps than the one just written are an attempt this run abandoned (it resumed from an
