@@ -219,3 +219,22 @@ def test_an_optuna_search_over_fit_in_one_process(tmp_path, monkeypatch, torch_o
     assert runs == [(folder, "no", [8, 16]), (folder + "-2", "bf16", [8, 16])]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [Path(folder).name + s for s in ("", "-2", "-3")]
     assert study.trials[0].value > 0.8
+
+
+def test_workers_of_different_seeds_draw_different_values(tmp_path):
+    """Worker 1 restarted on a study of 2 trials and worker 2 started on one of 1 trial draw their own values (their
+    samplers were both seeded 3 = 1 + 2 = 2 + 1, and drew exactly the same learning rates)."""
+    from acc_trainer.tools.sweep import open_study
+    from acc_trainer.tools.sweep_space import read_space
+
+    drawn = []
+    for seed, trials in ((1, 2), (2, 1)):
+        space = read_space(write_space(tmp_path, f"seed{seed}", metric="loss", seed=seed, study=f"s{seed}",
+                                       storage=f"sqlite:///{tmp_path}/study{seed}.db",
+                                       search={"lr": {"float": ["1e-4", 0.1], "log": True}}))
+        study = optuna.create_study(storage=space.storage, study_name=space.study)
+        for _ in range(trials):
+            study.tell(study.ask(), 1.0)
+        trial = open_study(space).ask()
+        drawn.append(trial.suggest_float("lr", 1e-4, 0.1, log=True))
+    assert drawn[0] != drawn[1], drawn

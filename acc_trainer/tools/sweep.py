@@ -19,6 +19,7 @@ trials.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shlex
@@ -103,9 +104,7 @@ def open_study(space: Space):
         storage = optuna.storages.RDBStorage(space.storage, engine_kwargs=engine)
         study = optuna.create_study(storage=storage, study_name=space.study, direction=space.direction,
                                     pruner=pruner, load_if_exists=True)
-        # A seeded sampler draws the same values in every process: one restarted on a study that has trials would
-        # draw the first ones again, so the seed moves on with the study.
-        seed = None if space.seed is None else space.seed + len(study.get_trials(deepcopy=False))
+        seed = None if space.seed is None else sampler_seed(space.seed, len(study.get_trials(deepcopy=False)))
         study.sampler = samplers[space.sampler](seed)
     except ImportError as e:
         raise ConfigError(f"--storage {space.storage}: {first_line(e)}") from None
@@ -117,6 +116,14 @@ def open_study(space: Space):
         raise ConfigError(f"study {space.study} in {space.storage} was created to {study.direction.name.lower()}, not "
                           f"to {space.direction}; name another --study")
     return study
+
+
+def sampler_seed(seed: int, trials: int) -> int:
+    """The seed of a worker's sampler, given --seed and the trials the study holds when the worker starts. A seeded
+    sampler draws the same values in every process: one restarted on a study that has trials would draw the first ones
+    again, so the seed moves on with the study; and each (seed, trials) pair gets its own (seed + trials made worker 1
+    restarted after 2 trials draw what worker 2 drew after 1)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{trials}".encode()).digest()[:4], "big")
 
 
 def sweep(space: Space, console) -> int:
