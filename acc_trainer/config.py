@@ -232,6 +232,9 @@ class TrainConfig:
     resume: str | None = _opt(
         None, "'auto': continue from the newest complete checkpoint in --output-dir; or a checkpoint folder"
     )
+    accept_unverified: bool = _opt(False, "resume from, evaluate, predict with, export or rerun a checkpoint or run "
+                                   "folder whose files cannot be checked (no SHA256SUMS, or a file it does not list: "
+                                   "one written before digests, or put together elsewhere); the run's notes say so")
     save_best: str | None = _opt(None, "keep the checkpoint with the best evaluation 'loss' or metric (e.g. accuracy; "
                                  "lower is better for loss, mae and names ending in loss or error)", metavar="METRIC")
     early_stop: str | None = _opt(

@@ -53,8 +53,8 @@ THEMES = {
              "eval_size", "image_size", "pack"),
     "Run files and output": ("output_dir", "log_every", "log_with", "project", "progress", "plots"),
     "Evaluation": ("metrics", "eval_every", "early_stop", "patience", "min_delta", "prompts", "max_new_tokens"),
-    "Checkpoints and faults": ("checkpoint_every", "keep_last", "resume", "save_best", "skip_nonfinite",
-                               "skip_bad_samples"),
+    "Checkpoints and faults": ("checkpoint_every", "keep_last", "resume", "accept_unverified", "save_best",
+                               "skip_nonfinite", "skip_bad_samples"),
     "GPU speed": ("compile", "channels_last", "tf32", "gradient_checkpointing"),
 }
 

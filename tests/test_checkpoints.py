@@ -191,9 +191,14 @@ def _damage(run, tmp_path, how):
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     checkpoint = copy / "checkpoints" / "step-00000002"
-    if how.endswith("(written before checksums)"):
-        (checkpoint / "SHA256SUMS").unlink()
-        how = how.split(" (")[0]
+    sums = checkpoint / "SHA256SUMS"
+    if how.endswith("(SHA256SUMS removed)"):  # as a checkpoint written before digests has none
+        sums.unlink()
+    elif how.endswith("(SHA256SUMS emptied)"):
+        sums.write_text("")
+    elif how.endswith("(SHA256SUMS without its line)"):
+        sums.write_text("".join(line + "\n" for line in sums.read_text().splitlines() if "model.safetensors" not in line))
+    how = how.split(" (")[0]
     if how == "truncated":
         data = (checkpoint / "model.safetensors").read_bytes()
         (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -205,6 +210,9 @@ def _damage(run, tmp_path, how):
         (checkpoint / "optimizer.bin").write_bytes(b"not a torch file")
     elif how.startswith("flipped"):  # 64 bytes inside the weights, the size kept: only the digest can tell
         _flip(checkpoint / "model.safetensors")
+    elif how == "edited step":  # a later checkpoint's weights under an earlier step
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "step": 1}))
     return copy, checkpoint
 
 
@@ -221,9 +229,14 @@ def _flip(path: Path) -> None:
     ("missing file", "checkpoint {cp} is incomplete: optimizer.bin missing"),
     ("garbage optimizer", "checkpoint {cp} is damaged: optimizer.bin does not match the digest written with it"),
     ("flipped bytes", "checkpoint {cp} is damaged: model.safetensors does not match the digest written with it"),
-    # A checkpoint without digests (written before them): what loading finds
-    ("truncated (written before checksums)", "checkpoint {cp} cannot be loaded (SafetensorError"),
-    ("corrupt state (written before checksums)", "checkpoint {cp}/trainer_state.json is corrupt (JSONDecodeError"),
+    ("edited step", "checkpoint {cp} is damaged: trainer_state.json does not match the digest written with it"),
+    # Deleting the digests does not switch the check off (a flipped byte used to resume with exit 0).
+    ("flipped bytes (SHA256SUMS removed)", "checkpoint {cp} is unverifiable: it has no SHA256SUMS; resume from another "
+     "one (--resume auto takes the newest that verifies) or give --accept-unverified"),
+    ("flipped bytes (SHA256SUMS emptied)", "checkpoint {cp} is unverifiable: its SHA256SUMS does not list "),
+    ("flipped bytes (SHA256SUMS without its line)", "checkpoint {cp} is unverifiable: its SHA256SUMS does not list "
+     "model.safetensors"),
+    ("edited step (SHA256SUMS removed)", "checkpoint {cp} is unverifiable: it has no SHA256SUMS"),
 ])
 def test_damaged_checkpoints_are_named_errors(saved_run, tmp_path, train_in_process, how, message):
     run, checkpoint = _damage(saved_run, tmp_path, how)
@@ -489,3 +502,56 @@ def test_a_checkpoint_left_half_replaced_is_written_over(tmp_path):
     summary = acc_trainer.fit(torch.nn.Linear(4, 2), data, **options, resume=str(folder / "step-00000002"))
     assert summary["steps"] == 4 and [p.name for p in complete_checkpoints(folder)] == ["step-00000002", "step-00000004"]
     assert not (folder / ".old-step-00000004").exists()
+
+
+@pytest.mark.parametrize("how,problem", [
+    ("SHA256SUMS removed", "run folder {run} (config.yaml) is unverifiable: it has no SHA256SUMS"),
+    ("SHA256SUMS emptied", "run folder {run} (config.yaml) is unverifiable: its SHA256SUMS does not list config.yaml"),
+    ("weights unlisted", "the weights {run}/model.safetensors is unverifiable: its SHA256SUMS does not list "
+     "model.safetensors"),
+    # config.yaml is read back to rebuild the model and data: another seed scored a 99.61 % run at 12.11 %
+    ("seed edited", "run folder {run} (config.yaml) is damaged: config.yaml does not match the digest written with it"),
+])
+def test_a_run_folder_that_cannot_be_verified_is_refused(saved_run, tmp_path, main_in_process, how, problem):
+    """evaluate, predict, export and rerun read a run folder only when SHA256SUMS lists what they read (config.yaml and
+    the weights) and it matches; --accept-unverified reads a folder without digests, saying so."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    sums = run / "SHA256SUMS"
+    if how == "SHA256SUMS removed":
+        sums.unlink()
+    elif how == "SHA256SUMS emptied":
+        sums.write_text("")
+    elif how == "weights unlisted":
+        sums.write_text("".join(line + "\n" for line in sums.read_text().splitlines() if "model.safetensors" not in line))
+    else:
+        config = (run / "config.yaml").read_text()
+        (run / "config.yaml").write_text(config.replace("\nseed: 42\n", "\nseed: 7\n"))
+    for command in (["evaluate", run], ["predict", run, "--output", tmp_path / "rows.jsonl"],
+                    ["export", run, "--format", "safetensors", "--output", tmp_path / "model.safetensors"],
+                    ["rerun", run, "--output-dir", tmp_path / "again"]):
+        code, _, stderr = main_in_process(*command)
+        assert code == 2 and stderr.count("\n") == 1 and problem.format(run=run) in stderr, (command, stderr)
+    assert not any((tmp_path / name).exists() for name in ("rows.jsonl", "model.safetensors", "again"))
+    if how == "SHA256SUMS removed":
+        code, stdout, stderr = main_in_process("evaluate", run, "--accept-unverified")
+        assert code == 0 and "accuracy" in stdout and stderr.count("--accept-unverified: ") == 2, stderr
+
+
+def test_a_checkpoint_without_digests_resumes_only_when_accepted(saved_run, tmp_path, main_in_process):
+    """A checkpoint written before digests (or copied without them): refused by --resume, skipped by --resume auto
+    (which then finds no checkpoint that verifies), resumed with --accept-unverified, which the run's notes say."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    for done in ("summary.json", "model.safetensors"):
+        (run / done).unlink()
+    for checkpoint in complete_checkpoints(run / "checkpoints"):
+        (checkpoint / "SHA256SUMS").unlink()
+    job = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--epochs", "1",
+           "--checkpoint-every", "2", "--output-dir", run, "--resume", "auto"]
+    code, _, stderr = main_in_process(*job)
+    assert code == 2 and "no checkpoint in" in stderr and "unverifiable: it has no SHA256SUMS" in stderr, stderr
+    code, _, stderr = main_in_process(*job, "--accept-unverified")
+    assert code == 0, stderr
+    notes = summary(run)["notes"]
+    assert any("--accept-unverified: checkpoint" in n and "step-00000004 is unverifiable" in n for n in notes), notes

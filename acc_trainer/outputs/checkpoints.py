@@ -39,7 +39,8 @@ NAME = re.compile(r"^step-(\d+)$")
 ABANDONED = "abandoned"  # checkpoints of an attempt a run resumed before (Checkpoints._set_aside_newer)
 # Options that may change between an interrupted run and its resumption: they do not change what is
 # computed. Every other option must match the checkpoint's.
-MAY_CHANGE = {"output_dir", "resume", "data_dir", "num_workers", "data_pipeline", "log_with", "project", "progress", "plots",
+MAY_CHANGE = {"output_dir", "resume", "accept_unverified",
+              "data_dir", "num_workers", "data_pipeline", "log_with", "project", "progress", "plots",
               "dist_timeout", "hang_timeout",
               "eval_batch_size", "checkpoint_every", "keep_last", "lora_merge",
               "tokenizer", "prompts", "max_new_tokens"}
@@ -190,10 +191,12 @@ def _chosen(cfg: TrainConfig, out: Path) -> tuple[str | None, list[str]]:
         if not path.is_dir():
             raise ConfigError(f"--resume {path}: no such checkpoint folder")
         problem = damage(path)
-        if problem:
+        if problem and not (cfg.accept_unverified and problem.startswith("unverifiable")):
+            hint = " or give --accept-unverified" if problem.startswith("unverifiable") else ""
             raise ConfigError(f"checkpoint {path} is {problem}; resume from another one (--resume auto takes the "
-                              "newest that verifies)")
-        return str(path), abandoned_note(path)
+                              f"newest that verifies){hint}")
+        notes = [unverified(f"checkpoint {path}", problem, True)] if problem else []
+        return str(path), notes + abandoned_note(path)
     found, notes = complete_checkpoints(out / "checkpoints"), []
     if (out / "summary.json").exists():  # written last: the run ended (resuming it would rewrite its summary)
         again = f", or --resume {found[-1]} to train its last steps again" if found else ""
@@ -203,6 +206,8 @@ def _chosen(cfg: TrainConfig, out: Path) -> tuple[str | None, list[str]]:
         problem = damage(path)
         if problem is None:
             return str(path), notes
+        if cfg.accept_unverified and problem.startswith("unverifiable"):
+            return str(path), notes + [unverified(f"checkpoint {path}", problem, True)]
         notes.append(f"--resume auto: skipped checkpoint {path}: {problem}")
     if found:
         raise ConfigError(f"--resume auto: no checkpoint in {out / 'checkpoints'} verifies ({'; '.join(notes)})")
@@ -229,22 +234,42 @@ def write_sums(folder: Path, names: list[str] | None = None) -> None:
     os.replace(folder / f".{SUMS}.tmp", folder / SUMS)
 
 
-def damage(folder: Path, only: str | None = None) -> str | None:
-    """What is wrong with the files `folder/SHA256SUMS` lists (all, or the one named `only`): None when each
-    matches its digest, or when no digests were written (a checkpoint from before they were)."""
+def damage(folder: Path, needed: list[str] | None = None) -> str | None:
+    """What is wrong with `folder`'s files against its SHA256SUMS: None when every file `needed` (default: every file in
+    the folder, as a checkpoint lists them all) is listed there and matches its digest. A folder without SHA256SUMS, or
+    with a needed file it does not list, is "unverifiable: ..." (deleting the digests does not switch the check off;
+    --accept-unverified reads such a folder, saying so: `unverified`)."""
     sums = folder / SUMS
     if not sums.is_file():
-        return None
+        return f"unverifiable: it has no {SUMS}"
+    listed = {}  # name -> digest, as `sha256sum` writes them: "<digest>  <name>"
     for line in sums.read_text().splitlines():
         digest, _, name = line.partition("  ")
-        if only is not None and name != only:
-            continue
+        listed[name] = digest
+    if needed is None:
+        needed = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != SUMS)
+    unlisted = [name for name in needed if name not in listed]
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        return f"unverifiable: its {SUMS} does not list {unlisted[0]}{more}"
+    for name in needed:
         path = folder / name
         if not path.is_file():
             return f"incomplete: {name} missing"
-        if _sha256(path) != digest:
+        if _sha256(path) != listed[name]:
             return f"damaged: {name} does not match the digest written with it ({sums})"
     return None
+
+
+def unverified(what: str, problem: str | None, accept: bool) -> str | None:
+    """`problem` (from `damage`) as the ConfigError to raise, or, for an unverifiable folder with --accept-unverified,
+    the note that says it was read unchecked (None: nothing to say)."""
+    if problem is None:
+        return None
+    if accept and problem.startswith("unverifiable"):
+        return f"note: --accept-unverified: {what} is {problem}, and was read without checking its files"
+    hint = "; --accept-unverified reads it unchecked" if problem.startswith("unverifiable") else ""
+    raise ConfigError(f"{what} is {problem}{hint}")
 
 
 def _sha256(path: Path) -> str:

@@ -17,6 +17,7 @@ from accelerate.utils import broadcast_object_list
 
 from ..config import ConfigError, TrainConfig
 from ..distributed.processes import main_decides
+from .checkpoints import write_sums
 
 # What fit() was given as objects, set by api.fit for its run: config.yaml's first line names them, since the file
 # cannot build them again (`acc-trainer rerun` says so instead of training something else).
@@ -112,6 +113,7 @@ class RunFiles:
             options = {**cfg.to_dict(), **dict.fromkeys(NOT_RECORDED)}
             with self.writing(self.folder / "config.yaml"):
                 (self.folder / "config.yaml").write_text(note + yaml.safe_dump(options, sort_keys=False))
+                write_sums(self.folder, ["config.yaml"])  # evaluate and rerun verify it (the weights join it at the end)
 
     def log(self, record: dict) -> None:
         if self.enabled:

@@ -47,7 +47,8 @@ def export(model_or_run, /, dataset=None, *, format: str, output: str | os.PathL
     from .inference import _given
 
     _check_format(format)
-    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "export")
+    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "export",
+                                    options.get("accept_unverified", False))
     if output is None:
         if not isinstance(model_or_run, (str, os.PathLike)):
             raise ConfigError("export: give output= (a file) for a model given as an object")

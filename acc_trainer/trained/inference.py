@@ -37,7 +37,7 @@ from ..language import adapters
 from ..language.generation import check_generates, generated_rows
 from ..language.pretrained import load_tokenizer
 from ..outputs import checkpoints
-from ..outputs.checkpoints import damage
+from ..outputs.checkpoints import damage, unverified
 from ..stopping import TrainingStopped
 from ..training import evaluation
 from ..training.evaluation import everyones, format_results, real_batches
@@ -66,7 +66,8 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     into it first."""
     from ..training.api import fit_config
 
-    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate")
+    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate",
+                                    options.get("accept_unverified", False))
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward,
                                   cfg.pack, cfg.data_pipeline)
@@ -85,7 +86,8 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
     (greedy, `max_new_tokens`), with `tokenizer` (an object, or what --tokenizer takes; default: the run folder's)."""
     from ..training.api import fit_config
 
-    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict")
+    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict",
+                                    options.get("accept_unverified", False))
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
                                   cfg.pack, cfg.data_pipeline)
@@ -106,16 +108,17 @@ def _mode_kept(model):
         model.train(training)
 
 
-def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str) -> tuple:
+def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str,
+           accept: bool = False) -> tuple:
     """(the model, the dataset, the config) that `evaluate`/`predict` were given: a model and a dataset, or a run
-    folder with the model (its weights loaded from the run here) and the data."""
+    folder with the model (its weights loaded from the run here) and the data; `accept`: --accept-unverified."""
     if dataset is not None and data is not None:
         raise ConfigError(f"{command}: give the data once (second, or as data=)")
     if not isinstance(model_or_run, (str, os.PathLike)):
         if model is not None:
             raise ConfigError(f"{command}: give the model once (first, or as model= after a run folder)")
         if weights is not None:
-            _load_weights(model_or_run, _verified(Path(weights), "weights="), type(model_or_run).__name__)
+            _load_weights(model_or_run, _verified(Path(weights), "weights=", accept), type(model_or_run).__name__)
         return model_or_run, dataset if dataset is not None else data, config
     run = Path(model_or_run)
     if not (run / "config.yaml").is_file():
@@ -126,24 +129,29 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
     if config is None:
         from ..flags import parse_config
 
+        say_note(unverified(f"run folder {run} (config.yaml)", damage(run, ["config.yaml"]), accept))
         config = parse_config(["--config", str(run / "config.yaml")])
-    weights = _verified(Path(weights) if weights is not None else run / _weights_name(config), "weights=")
+    weights = _verified(Path(weights) if weights is not None else run / weights_name(config), "weights=", accept)
     return _trained(model, weights, config), dataset if dataset is not None else data, config
 
 
-def _verified(weights: Path, give: str) -> Path:
-    """`weights`, once they exist and match the digest the run wrote (where there is one); `give`: how to name
-    other weights."""
+def _verified(weights: Path, give: str, accept: bool = False) -> Path:
+    """`weights`, once they exist and match the digest written with them in their folder's SHA256SUMS; `give`: how to
+    name other weights; `accept`: --accept-unverified (weights without a digest are read, saying so)."""
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give {give}"
                           f"{'' if give.endswith('=') else ' '}FILE: never an evaluation of random weights")
-    problem = damage(weights.parent, only=weights.name)
-    if problem:
-        raise ConfigError(f"the weights {weights} are {problem}")
+    say_note(unverified(f"the weights {weights}", damage(weights.parent, [weights.name]), accept))
     return weights
 
 
-def _weights_name(cfg: TrainConfig) -> str:
+def say_note(note: str | None) -> None:
+    """A note on reading something unchecked, on the main process's stderr."""
+    if note and PartialState().is_main_process:
+        print(f"acc-trainer: {note}", file=sys.stderr)
+
+
+def weights_name(cfg: TrainConfig) -> str:
     """What a run folder holds its trained weights in: the adapter of a LoRA run, else the whole model."""
     return "adapter_model.safetensors" if cfg.lora else "model.safetensors"
 
@@ -444,10 +452,12 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str) ->
                           "command line cannot build again: give --model and --dataset as functions that build them "
                           f"(module:function), or from Python: acc_trainer.{command}({str(args.run)!r}, model=..., "
                           "data=...)")
+    accept = getattr(args, "accept_unverified", False)
     if "config" not in args:  # a --config given here replaces the run's, as it always did
+        say_note(unverified(f"run folder {args.run} (config.yaml)", damage(args.run, ["config.yaml"]), accept))
         args.config = args.run / "config.yaml"
     cfg = config_from(args)
-    weights = _verified(args.weights or args.run / _weights_name(cfg), "--weights")
+    weights = _verified(args.weights or args.run / weights_name(cfg), "--weights", accept)
     tokenizer = args.tokenizer if "tokenizer" in args else _saved_tokenizer(args.run) or cfg.tokenizer
     return cfg, _Command(args.run, weights, args.output, args.split, getattr(args, "generate", False), tokenizer)
 

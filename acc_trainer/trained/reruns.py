@@ -13,7 +13,9 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig, load_yaml
+from ..outputs.checkpoints import damage, unverified
 from ..outputs.runfiles import NOT_RECORDED, given_as_objects
+from .inference import say_note, weights_name
 
 
 def rerun_config(argv: list[str]) -> tuple[Path, TrainConfig]:
@@ -30,6 +32,8 @@ def rerun_config(argv: list[str]) -> tuple[Path, TrainConfig]:
         raise ConfigError(f"{args.run} holds no config.yaml: not the folder of an acc_trainer run")
     if "config" in args:
         raise ConfigError("acc-trainer rerun trains the run's own config.yaml; give the options to change as flags")
+    accept = getattr(args, "accept_unverified", False)
+    say_note(unverified(f"run folder {args.run} (config.yaml)", damage(args.run, ["config.yaml"]), accept))
     objects = given_as_objects(args.run)
     if objects:
         raise ConfigError(f"{args.run} was trained by fit() on objects its config.yaml cannot build again ({objects}); "
@@ -39,18 +43,20 @@ def rerun_config(argv: list[str]) -> tuple[Path, TrainConfig]:
     for name in NOT_RECORDED:  # as if not in the file: one written before they were left out names the run's folder
         if name not in args:
             setattr(args, name, None)
-    return args.run, config_from(args)
+    cfg = config_from(args)
+    weights = args.run / weights_name(cfg)  # compared with the new run's: verified too (a stopped run has none)
+    if weights.is_file():
+        say_note(unverified(f"the weights {weights}", damage(args.run, [weights.name]), accept))
+    return args.run, cfg
 
 
 def report_weights(run: Path, cfg: TrainConfig, summary: dict) -> None:
     """On the main process: one line saying whether the weights just trained are `run`'s, bit for bit."""
     from accelerate import PartialState
 
-    from .inference import _weights_name
-
     if not PartialState().is_main_process:
         return
-    name = _weights_name(cfg)
+    name = weights_name(cfg)
     mine, theirs = Path(summary["output_dir"]) / name, run / name
     if not theirs.is_file():
         print(f"acc-trainer rerun: {run} holds no {name} (it did not finish): nothing to compare {mine} with")

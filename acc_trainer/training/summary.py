@@ -104,7 +104,8 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
                 shutil.rmtree(folder / entry.name, ignore_errors=True)
             os.replace(entry, folder / entry.name)
         tmp.rmdir()
-        write_sums(folder, files)
+        options = ["config.yaml"] if (folder / "config.yaml").is_file() else []  # read back by evaluate and rerun
+        write_sums(folder, files + options)
 
 
 def run_summary(r: Run, agreement: dict) -> dict:
