@@ -96,3 +96,64 @@ def test_a_stopped_process_is_named_within_the_bound(tmp_path):
     assert len(said) == 1 and "stopped every process; continue from" in said[0], stderr[-3000:]
     print(f"stopped process named and every process ended {took:.1f} s after SIGSTOP (bound 3 s)")
     assert took < 30
+
+
+# Process 1 stops (SIGSTOP) while the final weights are saved: the first state_dict() of a run without checkpoints.
+STOPS_AT_SAVE = '''
+import os
+import signal
+
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3 * 32 * 32, 10)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+    def state_dict(self, *args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().state_dict(*args, **kwargs)
+'''
+
+
+def test_a_process_stopped_while_the_final_weights_are_saved_is_named(tmp_path):
+    """The final save and the collectives after the last step are watched as the steps are: a process stopped there is
+    named (what it was doing: the final weights) within the bound for writes (10 x --hang-timeout), every process ends,
+    and no half-written weights are left (the default --dist-timeout would have held them for 30 minutes)."""
+    (tmp_path / "stops.py").write_text(STOPS_AT_SAVE)
+    out = tmp_path / "run"
+    started = time.monotonic()
+    run = launch("--model", "stops:Net", "--dataset", "synthetic", "--train-size", "256", "--eval-size", "64",
+                 "--batch-size", "64", "--epochs", "1", "--progress", "none", "--no-plots", "--hang-timeout", "1",
+                 "--output-dir", out, cwd=tmp_path)
+    _, stderr = run.communicate(timeout=300)
+    took = time.monotonic() - started
+    said = [line for line in stderr.splitlines() if line.startswith("acc-trainer: process 1 stopped responding")]
+    assert run.returncode != 0 and len(said) == 1, stderr[-3000:]
+    assert "it was final weights at step 4" in said[0] and "(the bound, --hang-timeout: 10 s)" in said[0], said[0]
+    assert not (out / "model.safetensors").exists() and not (out / "summary.json").exists()
+    print(f"process stopped in the final save named and every process ended in {took:.1f} s (bound 10 s)")
+    assert took < 90
+
+
+def test_the_median_step_time_is_the_whole_step(monkeypatch, tmp_path):
+    """With --grad-accum 4 a step is four micro-batches: the default bound (20 median steps) is measured on the whole
+    step, not on its last micro-batch's compute (a bound 6x tighter than documented)."""
+    from acc_trainer.distributed import watchdog
+
+    clock = [0.0]
+    monkeypatch.setattr(watchdog, "time", type("Clock", (), {"monotonic": lambda: clock[0], "time": time.time}))
+    watch = watchdog.Watchdog(tmp_path, 0, 1, None, lambda: "")  # never entered: no thread, the clock is the test's
+    for step in range(1, 8):
+        for _ in range(4):
+            watch.at("data")
+            clock[0] += 1.0  # the micro-batch's data
+            watch.at("compute")
+            clock[0] += 2.0  # its forward and backward
+        watch.at("compute", step)
+    assert watch.bound() == 20 * 12.0  # 4 micro-batches of 3 s; the last one's compute alone gave 60 s, the floor

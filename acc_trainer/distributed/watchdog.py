@@ -1,16 +1,17 @@
 """A hung process found and named within about a minute, not at the collective timeout (--dist-timeout).
 
-Every process runs a watchdog thread. The loop tells it, without a system call, where it is: a step begun,
-waiting for data, computing, evaluating a batch, writing a checkpoint (`Watchdog.at`). The thread writes a
-heartbeat file for its process every second (`<run>/.heartbeats/<rank>`: what the process is doing and
-since when), and fires when its own process has made no progress for longer than the bound: --hang-timeout
-seconds, or by default 20 times the run's own median step time with a floor of 60 s (the first step, which
-may compile, and checkpoint writes get 10 times that). When it fires it reads every process's heartbeat and
-names the one that holds the others up: a process whose heartbeat stopped (stopped, swapped out, its machine
-gone) or the one doing something else than the rest (waiting for data while the others wait in a
-collective). A live process that is stuck prints its own Python stacks (faulthandler); the lowest-ranked
-process prints the one line, with the checkpoint to resume from, and every process ends with exit code 1.
-Checkpoints are written atomically, so nothing saved is lost.
+Every process runs a watchdog thread. The loop tells it, without a system call, where it is: a step begun, waiting
+for data, computing, evaluating a batch, writing a checkpoint (`Watchdog.at`). The thread writes a heartbeat file
+for its process every second (`<run>/.heartbeats/<rank>`: what the process is doing and since when), and fires when
+its own process has made no progress for longer than the bound: --hang-timeout seconds, or by default 20 times the
+run's own median step time (each step timed whole, every micro-batch of an accumulation) with a floor of 60 s (the
+first step, which may compile, checkpoint writes and the final save get 10 times that). The loop watches the final
+save and every collective after the last step too. When it fires it reads every process's heartbeat and names the
+one that holds the others up: a process whose heartbeat stopped (stopped, swapped out, its machine gone) or the one
+doing something else than the rest (waiting for data while the others wait in a collective). A live process that is
+stuck prints its own Python stacks (faulthandler); the lowest-ranked process prints the one line, with the
+checkpoint to resume from, and every process ends with exit code 1. Checkpoints are written atomically, so nothing
+saved is lost.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pathlib import Path
 
 FLOOR = 60.0  # seconds: the shortest default bound
 STEPS = 20.0  # the default bound in median step times
-SLOW = 10.0  # how much longer the first step and a checkpoint write may take
+SLOW = 10.0  # how much longer the first step and a write (a checkpoint, the final weights) may take
+WRITES = ("checkpoint", "final weights")
 EXIT = 1
 
 
@@ -52,7 +54,8 @@ class Watchdog:
         self.folder, self.rank, self.world = folder / ".heartbeats", rank, world
         self.timeout, self.resume_hint = timeout, resume_hint
         self.what, self.since, self.step, self.moved = "starting", time.monotonic(), 0, time.monotonic()
-        self.durations: list[float] = []
+        self.step_began = self.moved  # when the step under way began (its first micro-batch's data)
+        self.durations: list[float] = []  # the last steps' times, each from its first micro-batch to its update
         self._told = False  # this process has printed its stacks
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="acc_trainer-watchdog", daemon=True)
@@ -78,18 +81,22 @@ class Watchdog:
         now = time.monotonic()
         if step is not None and step != self.step:
             if self.step:  # the first step may compile: not a measure of the run's speed
-                self.durations = (self.durations + [now - self.moved])[-50:]
-            self.step = step
+                # The whole step, every micro-batch of an accumulation: since the previous one ended.
+                self.durations = (self.durations + [now - self.step_began])[-50:]
+            self.step, self.step_began = step, now
         self.what, self.since, self.moved = what, now, now
 
     @contextmanager
     def slow(self, what: str):
-        """A checkpoint write: allowed SLOW times the bound."""
+        """A write (a checkpoint, the final weights): allowed SLOW times the bound. Its heartbeat is written at once: a
+        process stopped in it is named as it is, not as it was up to a second before (a few steps earlier)."""
         self.at(what)
+        self._beat(time.monotonic(), f".{self.rank}.{threading.get_ident()}.tmp")
         try:
             yield
         finally:
             self.at("compute")
+            self.step_began = time.monotonic()  # the write is no part of the next step's time
 
     def bound(self) -> float:
         """Seconds without progress after which the process counts as hung."""
@@ -97,7 +104,7 @@ class Watchdog:
             bound = self.timeout
         else:
             bound = max(FLOOR, STEPS * statistics.median(self.durations)) if self.durations else FLOOR
-        return bound * (SLOW if not self.durations or self.what == "checkpoint" else 1.0)
+        return bound * (SLOW if not self.durations or self.what in WRITES else 1.0)
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
@@ -106,10 +113,10 @@ class Watchdog:
             if now - self.moved > self.bound():
                 self._fire(now)
 
-    def _beat(self, now: float) -> None:
+    def _beat(self, now: float, tmp_name: str | None = None) -> None:
         record = {"what": self.what, "step": self.step, "for_s": round(now - self.since, 1), "wall": time.time(),
                   "pid": os.getpid(), "host": socket.gethostname()}
-        tmp = self.folder / f".{self.rank}.tmp"
+        tmp = self.folder / (tmp_name or f".{self.rank}.tmp")  # the loop's own beats beside the thread's
         try:
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.folder / str(self.rank))

@@ -53,26 +53,28 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
     where = lambda: (f"epoch {r.epoch + 1}, after optimizer step {state.step}, process "
                      f"{r.accelerator.process_index} of {r.world}")
     try:
-        with r.output.progress, StopSignals(r.accelerator) as signals, r.output.files.plots_if_stopped(cfg.plots), \
-                _naming_the_step(where), _watched(r):
-            for epoch in epochs_left(r):
-                r.epoch = epoch
-                if not _epoch_trained(r, epoch):  # else: resumed before this epoch's evaluation
-                    with stream_faults(lambda e: _stream_stop(r, e, "training")):
-                        train_epoch(r, signals)
-                # Evaluate after every epoch (with --eval-every, every N steps instead), and after the last step.
-                since = time.perf_counter()
-                if _evaluation_due(r):
-                    evaluate_now(r)
-                if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint from here starts the next epoch
-                    state.stream = stream_position(epoch + 1, state.step, state.stream["epoch_steps"])
-                if cfg.checkpoint_epochs or (r.shape.checkpoint_steps and state.step % r.shape.checkpoint_steps == 0):
-                    save_checkpoint(r)
-                r.clock.exclude(since)  # evaluation is not training time
-                stop_if_signalled(r, signals)
-                if state.stopped_early:  # --early-stop: decided alike on every process (keep_evaluation)
-                    break
-        return finish(r)
+        with _watched(r):  # the steps, and the final save and every collective after the last step
+            with r.output.progress, StopSignals(r.accelerator) as signals, \
+                    r.output.files.plots_if_stopped(cfg.plots), _naming_the_step(where):
+                for epoch in epochs_left(r):
+                    r.epoch = epoch
+                    if not _epoch_trained(r, epoch):  # else: resumed before this epoch's evaluation
+                        with stream_faults(lambda e: _stream_stop(r, e, "training")):
+                            train_epoch(r, signals)
+                    # Evaluate after every epoch (with --eval-every, every N steps instead), and after the last step.
+                    since = time.perf_counter()
+                    if _evaluation_due(r):
+                        evaluate_now(r)
+                    if r.streaming and state.stream.get("ended"):  # evaluated: a checkpoint now starts the next epoch
+                        state.stream = stream_position(epoch + 1, state.step, state.stream["epoch_steps"])
+                    if cfg.checkpoint_epochs or (r.shape.checkpoint_steps and state.step % r.shape.checkpoint_steps == 0):
+                        save_checkpoint(r)
+                    r.clock.exclude(since)  # evaluation is not training time
+                    stop_if_signalled(r, signals)
+                    if state.stopped_early:  # --early-stop: decided alike on every process (keep_evaluation)
+                        break
+            with r.watch.slow("final weights"):  # a process stopped while they are saved is named too
+                return finish(r)
     except BaseException:
         _trackers_finished(r.accelerator)
         raise
@@ -433,7 +435,8 @@ def _early_stop(r: Run, value: float) -> None:
 
 @contextmanager
 def _watched(r: Run):
-    """The watchdog of this process (watchdog.py) while the loop runs; --hang-timeout 0 leaves it out."""
+    """The watchdog of this process (watchdog.py) while the loop runs and the final weights are saved; --hang-timeout 0
+    leaves it out."""
     if r.cfg.hang_timeout == 0:
         yield
         return
