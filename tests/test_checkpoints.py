@@ -555,3 +555,29 @@ def test_a_checkpoint_without_digests_resumes_only_when_accepted(saved_run, tmp_
     assert code == 0, stderr
     notes = summary(run)["notes"]
     assert any("--accept-unverified: checkpoint" in n and "step-00000004 is unverifiable" in n for n in notes), notes
+
+
+def test_a_checkpoint_folder_that_cannot_be_read_stops_every_process_at_once(saved_run, tmp_path):
+    """Read in the code: an error other than bad input while the main process chose the checkpoint skipped the
+    broadcast that the other processes wait in (up to --dist-timeout). Confirmed and mended: on 2 processes a checkpoint
+    whose files the main process cannot read (PermissionError, made here by a sitecustomize: the tests run as root) is
+    one line and exit 2 on every process, at once."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '0':\n"
+        "    import acc_trainer.outputs.checkpoints as c\n"
+        "    def unreadable(path):\n"
+        "        raise PermissionError(13, 'Permission denied', str(path))\n"
+        "    c._sha256 = unreadable\n")
+    checkpoint = run / "checkpoints" / "step-00000002"
+    started = time.monotonic()
+    result = launch("--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--epochs", "1",
+                    "--checkpoint-every", "2", "--output-dir", run, "--resume", checkpoint, "--dist-timeout", "60",
+                    launcher_args=["--multi_gpu", "--num_processes", "2"], env={"PYTHONPATH": str(tmp_path / "site")})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"acc-trainer: error (rank 0): --resume {checkpoint}: the "
+                                                             "checkpoints in"), result.stderr[-3000:]
+    assert "PermissionError" in result.stderr and time.monotonic() - started < 50

@@ -94,3 +94,62 @@ def test_a_launcher_that_shares_one_store_between_attempts_is_named(monkeypatch,
             monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
         warn_if_restarts_share_a_store(main)
         assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in capsys.readouterr().err) is warned
+
+
+# A model whose process 1 kills itself (SIGKILL) at a different moment in each of three attempts, when KILLS is set:
+# during a step (attempt 0), while a checkpoint is written (attempt 1: save_state asks every process for the model's
+# state; setup asks once before the first step), during an evaluation (attempt 2).
+KILLED_THREE_TIMES = '''
+import os
+import signal
+
+import torch
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+KILLS = os.environ.get("KILLS") == "1" and os.environ.get("RANK") == "1"
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(3 * 32 * 32, 32), torch.nn.Linear(32, 10)
+        self.trained, self.evaluated = 0, 0
+
+    def forward(self, x):
+        self.trained += self.training
+        self.evaluated += not self.training
+        if KILLS and (ATTEMPT == 0 and self.trained == 12 or ATTEMPT == 2 and self.evaluated == 2):
+            die()  # a step (the first-sample check makes 1 call of each kind)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+    def state_dict(self, *args, **kwargs):
+        if KILLS and ATTEMPT == 1 and self.trained > 1:
+            die()  # the attempt's first checkpoint write
+        return super().state_dict(*args, **kwargs)
+'''
+
+
+def test_acc_trainer_launch_restarts_without_a_variable_and_ends_bit_identical(tmp_path):
+    """`acc-trainer launch --max_restarts 3`, no variable set by the user: a worker killed during a step, then during a
+    checkpoint write, then during an evaluation; each restarted group forms, continues from its last checkpoint
+    (--resume auto), and the run ends with the uninterrupted run's weights, bit for bit."""
+    (tmp_path / "killed.py").write_text(KILLED_THREE_TIMES)
+    job = ["--model", "killed:Net", "--dataset", "synthetic", "--train-size", "1024", "--eval-size", "128",
+           "--batch-size", "64", "--epochs", "2", "--checkpoint-every", "4", "--resume", "auto", "--no-plots",
+           "--progress", "plain", "--log-every", "4", "--dist-timeout", "120"]
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    check(launch(*job, "--output-dir", reference, cwd=tmp_path, launcher_args=["--multi_gpu", "--num_processes", "2"]))
+    restarted = launch(*job, "--output-dir", run, cwd=tmp_path, env={"KILLS": "1"},
+                       launcher_args=["--multi_gpu", "--num_processes", "2", "--max_restarts", "3"])
+    check(restarted)
+    resumed = [int(line.split("resuming at step ")[1].split()[0]) for line in restarted.stdout.splitlines()
+               if "resuming at step" in line]
+    # Three restarts: after the kill in step 12 (from 8), at the write of 12 (from 8 again), at evaluation 16 (from 12).
+    assert resumed == [8, 8, 12], restarted.stdout
+    final, expected = load_file(run / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
+    assert losses(run) == losses(reference) and summary(run)["evals"] == summary(reference)["evals"]

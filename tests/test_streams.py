@@ -14,6 +14,8 @@ elastic resumes need the checkpoints of the others).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 import streams_data
 import torch
-from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, run_here, summary
+from conftest import REPO, _env, check, launch, metrics, one_thread, reset_accelerate, run_here, summary
 from safetensors.torch import load_file
 
 KINDS = ("numbers", "positioned", "parquet", "parquet_shuffled", "map", "text", "own_loss")
@@ -466,3 +468,26 @@ def test_a_map_style_evaluation_that_fails_is_made_again_on_resume(tmp_path, tor
     reset_accelerate()
     assert resumed["resumed_from"].endswith("step-00000008") and resumed["evals"] == full["evals"]
     assert largest_difference(tmp_path / "full", tmp_path / "run") == 0.0
+
+
+def test_a_stream_blocked_in_a_read_does_not_keep_the_run_waiting(tmp_path):
+    """Read in the code: when the run stops reading a stream (its last step), the reader thread was waited for until it
+    ended, and a reader blocked in the stream's own read never does. Confirmed (the run never returned) and mended: the
+    reader gets LET_GO seconds, then is left to end with the process, with a warning."""
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        "import sys, threading, torch, acc_trainer\n"
+        "class Blocks(torch.utils.data.IterableDataset):\n"
+        "    def __iter__(self):\n"
+        "        for i in range(40):\n"
+        "            yield torch.full((4,), float(i)), i % 2\n"
+        "        threading.Event().wait()  # a read that never returns (a stalled network share)\n"
+        "acc_trainer.fit(torch.nn.Linear(4, 2), Blocks(), None, max_steps=2, batch_size=16, progress='none',\n"
+        "                plots=False, output_dir=sys.argv[1])\n"
+        "print('fit returned', flush=True)\n")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                            timeout=120, env=_env())
+    assert result.returncode == 0 and "fit returned" in result.stdout, result.stderr[-3000:]
+    assert "is still in a read 5 s after the run stopped reading it" in result.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2 and time.monotonic() - started < 60

@@ -57,6 +57,7 @@ from ..config import ConfigError, first_line
 from .datasets import Uncollated
 
 AHEAD = 2  # steps read ahead of the one training
+LET_GO = 5.0  # seconds a stream's reader thread gets to see that the run stopped reading, before it is left behind
 
 
 def saves_position(dataset) -> bool:
@@ -387,7 +388,12 @@ class StreamLoader:
                 yield out.get()
         finally:
             stop.set()
+            deadline = time.monotonic() + LET_GO
             while reader.is_alive():  # let a reader blocked on a full queue see the stop
+                if time.monotonic() > deadline:  # blocked in the stream's own read: it would keep the run waiting
+                    print(f"acc-trainer: warning: the stream {self.name} is still in a read {LET_GO:.0f} s after the "
+                          "run stopped reading it; its reader thread is left to end with the process", file=sys.stderr)
+                    break
                 try:
                     out.get(timeout=0.05)
                 except queue.Empty:

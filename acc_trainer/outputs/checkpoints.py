@@ -172,13 +172,20 @@ def find_resume(cfg: TrainConfig, out: Path) -> tuple[Path | None, list[str]]:
     every process gets its answer."""
     if cfg.resume is None:
         return None, []
-    answer = [None]
+    answer, failed = [None], None
     if PartialState().is_main_process:
         try:
             answer = [_chosen(cfg, out)]
         except ConfigError as e:
             answer = [str(e)]
-    broadcast_object_list(answer)
+        except OSError as e:  # a folder that cannot be read is the user's input too
+            answer = [f"--resume {cfg.resume}: the checkpoints in {out} cannot be read ({type(e).__name__}: "
+                      f"{first_line(e)})"]
+        except BaseException as e:  # a bug: its traceback on the main process, and no process left waiting for it
+            failed, answer = e, [f"the main process failed while choosing the checkpoint ({type(e).__name__})"]
+    broadcast_object_list(answer)  # reached by every process, whatever happened on the main one
+    if failed is not None:
+        raise failed
     if isinstance(answer[0], str):
         raise ConfigError(answer[0])
     path, notes = answer[0]
