@@ -238,3 +238,26 @@ def test_workers_of_different_seeds_draw_different_values(tmp_path):
         trial = open_study(space).ask()
         drawn.append(trial.suggest_float("lr", 1e-4, 0.1, log=True))
     assert drawn[0] != drawn[1], drawn
+
+
+def test_a_metric_no_trial_evaluates_stops_the_sweep_in_one_line(tmp_path):
+    """A metric the trials do not compute (a typo) made every trial fail and the sweep exit 0: the first trial that
+    evaluates without it stops the sweep, one line naming what the evaluations have, exit 2."""
+    launcher = f"{sys.executable} {REPO / 'tests' / 'sweep_trial.py'}"
+    space = write_space(tmp_path, metric="los", direction="minimize", launcher=launcher, options={"max-steps": 8},
+                        search={"lr": [1.0, 0.5, 0.1]}, sampler="grid", storage=f"sqlite:///{tmp_path / 's.db'}",
+                        **{"sweep-dir": str(tmp_path / "s")})
+    result = subprocess.run([sys.executable, "-m", "acc_trainer", "sweep", str(space)], cwd=tmp_path, capture_output=True,
+                            text=True, env=_env(), timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stdout + result.stderr
+    assert "metric 'los' is not among the trials' evaluations (loss, samples); the sweep stops; did you mean loss?" in \
+        result.stderr
+    assert result.stdout.count("started:") == 1  # the other trials were never started
+    # Every trial failing (each for its own reason) is no success either: exit 1, one line.
+    failing = write_space(tmp_path, "failing", metric="loss", direction="minimize", launcher=launcher,
+                          options={"max-steps": 8}, search={"lr": [0.25]}, sampler="grid",
+                          storage=f"sqlite:///{tmp_path / 'f.db'}", **{"sweep-dir": str(tmp_path / "f")})
+    result = subprocess.run([sys.executable, "-m", "acc_trainer", "sweep", str(failing)], cwd=tmp_path,
+                            capture_output=True, text=True, env=_env(), timeout=120)
+    assert result.returncode == 1 and result.stderr == ("acc-trainer: every trial this sweep ran failed (1); their "
+                                                        "trial.log says why\n"), result.stdout + result.stderr

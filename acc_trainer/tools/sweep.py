@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, first_line
+from ..config import ConfigError, did_you_mean, first_line
 from ..flags import Parser
 from .sweep_results import _shown, show_results
 from .sweep_space import TRIALS, Space, read_space, trial_options
@@ -131,6 +131,7 @@ def sweep(space: Space, console) -> int:
     study = open_study(space)
     console.print(f"study {space.study} ({space.storage}): {space.trials} trials, {space.sampler} sampler, "
                   f"{space.pruner} pruner, {space.direction} {space.metric}; run folders in {space.folder}", markup=False)
+    ran, failed = 0, 0
     with _Stop() as stop:
         while not stop.received:
             picked = next_trial(study, space)
@@ -138,7 +139,8 @@ def sweep(space: Space, console) -> int:
                 break
             try:
                 if not stop.received:  # else it stays running, to be resumed
-                    run_trial(study, space, picked, stop, console)
+                    ran += 1
+                    failed += not run_trial(study, space, picked, stop, console) and not stop.received
             finally:
                 picked.lock.close()
     show_results(study, space, console)
@@ -146,6 +148,9 @@ def sweep(space: Space, console) -> int:
         console.print(f"sweep stopped by {signal.Signals(stop.received).name}: run the same command again to continue "
                       "(a stopped trial resumes from its checkpoint)", markup=False)
         return 128 + stop.received
+    if ran and failed == ran:
+        print(f"acc-trainer: every trial this sweep ran failed ({ran}); their trial.log says why", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -203,9 +208,9 @@ def _lock(folder: Path):
     return handle
 
 
-def run_trial(study, space: Space, picked: Picked, stop: _Stop, console) -> None:
+def run_trial(study, space: Space, picked: Picked, stop: _Stop, console) -> bool:
     """One trial's run, followed to its end: complete (its last evaluation's value), pruned, failed, or left
-    running when the sweep is stopped (the sweep run again resumes it)."""
+    running when the sweep is stopped (the sweep run again resumes it). False when it failed."""
     from optuna.trial import TrialState
 
     trial, folder, reported = picked.trial, picked.folder, picked.reported
@@ -241,7 +246,12 @@ def run_trial(study, space: Space, picked: Picked, stop: _Stop, console) -> None
         trial.set_user_attr("failure", reason)
         tell(study, trial, state=TrialState.FAIL)
         said += f"failed: {reason} ({folder / 'trial.log'})"
+        if child.returncode == 0 and seen:  # the run evaluated, and never this metric: no trial ever would
+            console.print(f"{said}, {seconds:.1f} s", markup=False)
+            raise ConfigError(f"space file {space.path}: metric {space.metric!r} is not among the trials' evaluations "
+                              f"({', '.join(sorted(seen))}); the sweep stops" + did_you_mean(space.metric, seen))
     console.print(f"{said}, {seconds:.1f} s", markup=False)
+    return trial.user_attrs.get("failure") is None and not stop.received
 
 
 def _stopped_with_the_sweep() -> None:

@@ -82,7 +82,11 @@ def export_job(job: components.Workload, format: str, output: Path, samples: int
     args, kwargs = _model_inputs(job, model, batch)
     with torch.no_grad():
         expected = model(*args, **kwargs)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, a read-only file system
+        raise ConfigError(f"export: --output {output}: its folder cannot be made ({type(e).__name__}: "
+                          f"{e.strerror or first_line(e)})") from None
     files, got, checker = WRITERS[format](model, args, kwargs, output)
     difference, scale = _largest_difference(expected, got)
     count = next((len(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))

@@ -45,7 +45,7 @@ from ..training.setup import accelerator_for, training_loss
 from ..workload import components
 from ..workload.first_batch import check_fit
 from ..workload.losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
-from .prediction_files import Writer, check_rows
+from .prediction_files import Writer, check_replaceable, check_rows
 
 FORMATS = (".jsonl", ".csv", ".npz")
 
@@ -94,6 +94,8 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
     if generate and tokenizer is None and isinstance(model_or_run, (str, os.PathLike)):
         tokenizer = _saved_tokenizer(Path(model_or_run))
     job.tokenizer = load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+    if output is not None:
+        check_replaceable(Path(output))
     with _mode_kept(model):  # a row per block with --pack
         return _predict(cfg, job, job.data.train, Path(output) if output else None, generate=generate)[0]
 
@@ -513,6 +515,7 @@ def main_predict(argv: list[str]) -> None:
                           + (f", not {output.suffix or output.name!r}" if output is not None else ""))
     if not output.parent.is_dir():
         raise ConfigError(f"--output {output}: the folder {output.parent} does not exist")
+    check_replaceable(output)
     group = processes.start(cfg)
     job, dataset = _workload(cfg, weights, split)
     if given.generate and given.tokenizer:

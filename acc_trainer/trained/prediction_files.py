@@ -105,3 +105,28 @@ class Writer:
         if self.file is not None and not self.file.closed:
             self.file.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def check_replaceable(path: Path) -> None:
+    """An output that exists is replaced only when it holds predictions (rows with an `index`, as predict writes
+    them): any other file of that name (a config, a dataset, someone's notes) is refused, in one line."""
+    if not path.exists():
+        return
+    if path.is_dir():
+        raise ConfigError(f"predict --output {path} is a folder; give a file")
+    try:
+        if path.suffix == ".jsonl":
+            with open(path) as file:
+                first = file.readline()
+            rows = not first or "index" in json.loads(first)
+        elif path.suffix == ".csv":
+            with open(path, newline="") as file:
+                rows = next(csv.reader(file), ["index"])[:1] == ["index"]
+        else:
+            with zipfile.ZipFile(path) as archive:
+                rows = "index.npy" in archive.namelist()
+    except (OSError, ValueError, TypeError, zipfile.BadZipFile, UnicodeDecodeError):
+        rows = False
+    if not rows:
+        raise ConfigError(f"predict --output {path} exists and holds no predictions (rows with an index) that this "
+                          "command wrote: it would be replaced; give another file, or remove it first")
