@@ -16,14 +16,18 @@ from .config import ConfigError, TrainConfig, did_you_mean, load_yaml, make_conf
 EXAMPLES = """\
 commands (acc-trainer COMMAND --help describes each):
   acc-trainer [options]                                train (the options above)
+  acc-trainer launch [accelerate launch's args] -m acc_trainer ...   several processes, with the trainer's exit codes;
+                                                       --max_restarts N restarts a failed group (nothing to set)
   acc-trainer report RUN_DIR [RUN_DIR ...]             compare runs: a table and a figure
   acc-trainer bench [--processes 1,2] [options]        speed vs hand-written loops, 1 and N processes
+  acc-trainer bench-lm [--processes 1,2] [options]     a language model's tokens/s vs the Hugging Face Trainer
   acc-trainer check [--steps N] [options]              prove the job trains the same on 1 and 2 processes and resumes exactly
   acc-trainer check-data [options]                     open every sample once; list those that cannot be read
   acc-trainer evaluate RUN_DIR [--weights F] [--output F.json] [options]   a finished run's weights on any set
   acc-trainer predict RUN_DIR --output F.jsonl|.csv|.npz [options]         one row per sample, in order
   acc-trainer export RUN_DIR --format onnx|pt2|safetensors [--output F]     the model for other tools, checked
   acc-trainer rerun RUN_DIR [options]                  train a run again from its config.yaml; same weights?
+  acc-trainer sweep SPACE.yaml [--trials N]            an Optuna search, each trial a run, pruned as it goes
 
 examples:
   acc-trainer                                          default job: LeNet on generated images, about 7 s on a 2-core CPU

@@ -581,3 +581,19 @@ def test_a_checkpoint_folder_that_cannot_be_read_stops_every_process_at_once(sav
     assert result.stderr.strip().splitlines()[-1].startswith(f"acc-trainer: error (rank 0): --resume {checkpoint}: the "
                                                              "checkpoints in"), result.stderr[-3000:]
     assert "PermissionError" in result.stderr and time.monotonic() - started < 50
+
+
+def test_outputs_that_would_be_lost_or_cannot_be_made_are_one_line(saved_run, tmp_path, main_in_process):
+    """predict --output over a file that holds no predictions (it was replaced), and export into a folder that cannot
+    be made (a traceback): one line, exit 2, the file untouched."""
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"my": "notes"}\n')
+    code, _, stderr = main_in_process("predict", saved_run, "--output", notes)
+    assert code == 2 and stderr.count("\n") == 1 and "exists and holds no predictions" in stderr, stderr
+    assert notes.read_text() == '{"my": "notes"}\n'
+    (tmp_path / "a-file").write_text("")
+    code, _, stderr = main_in_process("export", saved_run, "--format", "safetensors", "--output",
+                                      tmp_path / "a-file" / "model.safetensors")
+    assert code == 2 and stderr.count("\n") == 1 and "its folder cannot be made (FileExistsError" in stderr, stderr
+    code, _, stderr = main_in_process("predict", saved_run, "--output", tmp_path / "rows.jsonl")
+    assert code == 0 and main_in_process("predict", saved_run, "--output", tmp_path / "rows.jsonl")[0] == 0  # replaced

@@ -26,6 +26,19 @@ def help_text() -> str:
     return check(run_cli("--help")).stdout
 
 
+def test_help_names_every_command_and_each_its_own_options(help_text, main_in_process):
+    for command in ("launch", "report", "bench", "bench-lm", "check", "check-data", "evaluate", "predict", "export",
+                    "rerun", "sweep"):
+        assert f"  acc-trainer {command} " in help_text, command
+    code, stdout, _ = main_in_process("export", "--help")
+    assert code == 0 and "--format {onnx,pt2,safetensors}" in stdout and "--samples N" in stdout
+
+
+def test_the_start_line_names_the_topology_as_a_reader_says_it(tmp_path, main_in_process):
+    code, stdout, stderr = main_in_process("--max-steps", "2", "--progress", "plain", "--output-dir", tmp_path / "run")
+    assert code == 0 and "1 process(es) (one process, cpu)" in stdout and "(NO," not in stdout, stdout + stderr
+
+
 def test_console_script_is_the_same_command(help_text):
     via_module = help_text
     via_script = check(run_cli("--help", command=[str(BIN / "acc-trainer")])).stdout

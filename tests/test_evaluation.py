@@ -21,9 +21,12 @@ PLATEAU = ["--model", "mlp", "--dataset", "synthetic", "--train-size", "512", "-
 
 def test_early_stopping_resumed_mid_patience_stops_where_the_whole_run_does(tmp_path):
     whole = tmp_path / "whole"
-    assert run_here(*PLATEAU, "--output-dir", whole).returncode == 0
+    done = run_here(*PLATEAU, "--output-dir", whole)
+    # --progress none hides the progress, not the result (it hid both); the summary counts the epochs trained (3, not 20)
+    assert done.returncode == 0 and done.stdout.startswith("final eval loss") and done.stdout.count("\n") == 1
     stopped = summary(whole)["stopped_early"]
     assert stopped["step"] == 24 and stopped["epoch"] == 3 and stopped["metric"] == "accuracy"
+    assert summary(whole)["epochs"] == 3
     assert "did not improve by more than 0.0 for 2 evaluations" in stopped["reason"]
     assert summary(whole)["steps"] == 24 and (whole / "checkpoints" / "best").is_dir()  # with --save-best
     # The checkpoint of epoch 2 holds one evaluation without improvement; resumed from it, the run stops at the

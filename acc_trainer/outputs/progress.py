@@ -31,6 +31,7 @@ class Progress:
 
     def __init__(self, mode: str, enabled: bool, total_steps: int, epochs: int, steps_per_epoch: int):
         self.console = make_console()
+        self.main = enabled  # the main process, which prints
         self.enabled = enabled and mode != "none"
         self.live = self.enabled and (mode == "rich" or (mode == "auto" and self.console.is_terminal))
         self.total_steps, self.epochs, self.steps_per_epoch = total_steps, epochs, steps_per_epoch
@@ -51,6 +52,11 @@ class Progress:
     def print(self, *args, **kwargs) -> None:
         if self.enabled:
             self.console.print(*args, **kwargs)
+
+    def result(self, line: str) -> None:
+        """The run's final result: printed by the main process with --progress none too (it hides the progress)."""
+        if self.main:
+            self.console.print(line)
 
     def new_epoch(self, epoch: int, done: int = 0, first_step: int | None = None) -> None:
         """Start epoch `epoch` (0-based) with `done` of its steps already made (a resumed run); `first_step`: the
@@ -133,7 +139,7 @@ def summary_table(summary: dict, plots: list) -> Table:
     if summary.get("data_time_share") is not None:
         share = summary["data_time_share"]
         rows.append(("step time", f"{share:.0%} waiting for data, {1 - share:.0%} compute"))
-    rows.append(("topology", f"{summary['world_size']} process(es), {summary['distributed_type']} on "
+    rows.append(("topology", f"{summary['world_size']} process(es), {engine_name(summary['distributed_type'])} on "
                              f"{summary['device']}, precision {summary['mixed_precision']}"))
     if summary.get("skipped_steps"):
         rows.append(("skipped steps", f"{summary['skipped_steps']} (NaN/inf loss)"))
@@ -149,3 +155,9 @@ def summary_table(summary: dict, plots: list) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def engine_name(distributed_type: str) -> str:
+    """Accelerate's distributed type as a reader says it (its "NO" is one process, undistributed)."""
+    return {"NO": "one process", "MULTI_CPU": "DDP over gloo", "MULTI_GPU": "DDP", "DEEPSPEED": "DeepSpeed"}.get(
+        distributed_type, distributed_type)

@@ -254,13 +254,15 @@ def main(argv: list[str]) -> None:
     from .inference import _run_options, _workload
 
     own = Parser(prog="acc-trainer export", add_help=False)
-    own.add_argument("--format", choices=list(FORMATS))
-    own.add_argument("--samples", type=int, default=8)
+    own.add_argument("--format", choices=list(FORMATS), help="what to write (needed): ONNX, torch.export's pt2, or "
+                     "safetensors")
+    own.add_argument("--samples", type=int, default=8, metavar="N",
+                     help="how many of the evaluation set's first samples check the file (default 8)")
     known, rest = own.parse_known_args(argv)
     cfg, given = _run_options(
-        rest, "export", "A finished run's model as ONNX, torch.export's pt2 or safetensors: --format onnx|pt2|safetensors "
-        "(needed); --samples N: how many of the evaluation set's first samples check it (default 8).",
-        "where to write it (default: RUN_DIR/export/model.<format>)")
+        rest, "export", "A finished run's model as ONNX, torch.export's pt2 or safetensors, read back and checked on "
+        "the evaluation set's first samples.", "where to write it (default: RUN_DIR/export/model.<format>)",
+        parents=(own,))
     if known.format is None:
         raise ConfigError(f"acc-trainer export needs --format {'|'.join(FORMATS)}")
     _check_format(known.format)

@@ -429,11 +429,13 @@ class _Command:
     tokenizer: str | None = None  # --tokenizer's, else the run folder's own, else config.yaml's
 
 
-def _run_options(argv: list[str], command: str, about: str, output_help: str) -> tuple[TrainConfig, _Command]:
-    """RUN_DIR, --weights, --output, --split and the training options over the run's config.yaml."""
+def _run_options(argv: list[str], command: str, about: str, output_help: str,
+                 parents: tuple = ()) -> tuple[TrainConfig, _Command]:
+    """RUN_DIR, --weights, --output, --split and the training options over the run's config.yaml (`parents`: parsers
+    of the command's own options, shown in its --help)."""
     from ..flags import Parser, add_training_options, config_from
 
-    parser = Parser(prog=f"acc-trainer {command}", description=about)
+    parser = Parser(prog=f"acc-trainer {command}", description=about, parents=list(parents))
     parser.add_argument("run", type=Path, metavar="RUN_DIR", help="the folder of a finished run")
     parser.add_argument("--weights", type=Path, metavar="FILE", help="the weights to load (default: "
                         "RUN_DIR/model.safetensors)")

@@ -34,7 +34,7 @@ from ..distributed.watchdog import Idle
 from ..language import adapters
 from ..outputs import checkpoints, trackers
 from ..outputs.checkpoints import BEST, Checkpoints
-from ..outputs.progress import Progress
+from ..outputs.progress import Progress, engine_name
 from ..outputs.runfiles import RunFiles, lock_run_folder, output_dir
 from ..workload.components import Workload
 from ..workload.first_batch import Checked, check_fit, first_samples
@@ -518,7 +518,8 @@ def _announce(r: Run) -> None:
     accelerator, cfg = r.accelerator, r.cfg
     r.output.progress.print(
         f"[bold]acc_trainer[/] {r.job.model_name} on {r.job.dataset_name}: {r.world} process(es) "
-        f"({accelerator.distributed_type.value}, {accelerator.device.type}), precision {accelerator.mixed_precision}, "
+        f"({engine_name(accelerator.distributed_type.value)}, {accelerator.device.type}), precision "
+        f"{accelerator.mixed_precision}, "
         f"global batch {cfg.batch_size} = {r.world} x {cfg.grad_accum} x {r.per_process_batch}, "
         + (f"{r.shape.total_steps} steps" if r.shape.total_steps else
            "steps: as many as the stream gives (learnt in its first epoch)")

@@ -59,8 +59,8 @@ def finish(r: Run) -> dict:
         with output.files.writing(output.folder / "plots"):
             plots = plot_run(output.folder)
     final = r.state.evals[-1] if r.state.evals else None
-    output.progress.print(f"[bold]final[/] {format_results(final) if final else 'no evaluation set'}; "
-                          f"{summary['samples_per_s'] or 0:,.0f} samples/s; run files in {output.folder}")
+    output.progress.result(f"[bold]final[/] {format_results(final) if final else 'no evaluation set'}; "
+                           f"{summary['samples_per_s'] or 0:,.0f} samples/s; run files in {output.folder}")
     output.progress.print(summary_table(summary, plots))
     trackers.end(accelerator, output.folder, summary)  # the final summary, the run's files, each tracker finished
     # Not `end_training`, which also destroys the process group: a script of the user's goes on with it (a
@@ -157,7 +157,7 @@ def _progress(r: Run) -> dict:
         "bad_sample_steps": state.bad_sample_steps,
         "loss_scale_skipped_steps": state.loss_scale_skipped_steps,
         "unreadable_samples": state.unreadable_samples,
-        "epochs": r.shape.epochs or r.epoch + 1,
+        "epochs": r.epoch + 1 if state.stopped_early or not r.shape.epochs else r.shape.epochs,  # trained, not planned
         "stream_resume": r.stream_resume,  # a resumed stream: how it reached its position, and in how long
         "train_samples": state.step * cfg.batch_size,
         "eval": {k: v for k, v in final.items() if k not in ("samples", "step", "epoch")} if final else None,
