@@ -11,7 +11,8 @@ off. A test (tests/test_patches.py) fails when a symbol a patch relies on moves 
   above are left off with ACC_TRAINER_PATCHES=0;
 - a block of code (context managers, the previous state restored): a torchmetrics object's own
   synchronisation while acc_trainer computes it (`unsynced`), torch's worker info while acc_trainer's
-  reader worker runs a stream (`worker_info_hidden`);
+  reader worker runs a stream (`worker_info_hidden`), Accelerate's note on tied weights while acc_trainer saves
+  (`shared_tensors_unsaid`);
 - the run's own Accelerate state: FSDP on CPU processes (`fsdp_on_cpu`, docs/scaling.md);
 - glibc's allocator, from the command line only (`keep_freed_memory`).
 """
@@ -23,6 +24,7 @@ import ctypes
 import functools
 import importlib.metadata
 import inspect
+import logging
 import os
 import re
 import sys
@@ -207,6 +209,30 @@ def worker_info_hidden():
         yield
     finally:
         worker._worker_info = own
+
+
+@contextlib.contextmanager
+def shared_tensors_unsaid():
+    """Within the block, Accelerate's note "Removed shared tensor {...} while saving" is not logged: Accelerate (1.15)
+    says it at every save of a model with tied weights (a causal LM's output layer and its embedding), on every
+    process, though the file holding a tied tensor once is what safetensors needs, and acc_trainer's loaders tie it
+    again (tested in tests/test_language_models.py). A filter on Accelerate's logger of that module, removed after."""
+    logger = logging.getLogger(accelerate.utils.other.__name__)
+    unsaid = _Unsaid("Removed shared tensor")
+    logger.addFilter(unsaid)
+    try:
+        yield
+    finally:
+        logger.removeFilter(unsaid)
+
+
+class _Unsaid(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def leave_without_teardown(code: int) -> None:

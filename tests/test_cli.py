@@ -220,6 +220,8 @@ COMMAND_TYPOS = [
     # (--processes 0 would stop a bench that took --repeat for --repeats before it ran anything)
     (["bench", "--repeat", "2", "--processes", "0"], "unknown option --repeat; did you mean --repeats?"),
     (["check-data", "--num-worker", "2"], "unknown option --num-worker; did you mean --num-workers?"),
+    (["check", "--max-steps", "5"], "acc-trainer check runs --steps optimizer steps per short run (default 8): give "
+                                    "--steps 5, not --max-steps"),  # it was ignored without a word
 ]
 
 

@@ -22,8 +22,9 @@ from conftest import REPO, check, launch, one_thread, reset_accelerate  # noqa: 
 def runs(tmp_path_factory):
     """(the 2-process runs' folder, the 1-process runs' folder): every job of lm_probe on each."""
     two, one = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("one")
-    check(launch(two, launcher_args=("--multi_gpu", "--num_processes", "2"),
-                 target=(str(REPO / "tests" / "lm_probe.py"),)))
+    launched = check(launch(two, launcher_args=("--multi_gpu", "--num_processes", "2"),
+                            target=(str(REPO / "tests" / "lm_probe.py"),)))
+    (two / "launch.stderr").write_text(launched.stderr)
     reset_accelerate()
     with one_thread():
         lm_probe.run_jobs(one, ["full", "lora", "packed"])
@@ -57,6 +58,14 @@ def test_two_processes_train_what_one_trains_full_lora_and_packed(runs):
         assert first["evals"][-1]["loss"] == pytest.approx(second["evals"][-1]["loss"], abs=1e-5)
     lora = json.loads((two / "lora" / "summary.json").read_text())["parameters"]
     assert 0 < lora["trainable"] < lora["total"] / 4
+
+
+def test_saving_a_model_with_tied_weights_says_nothing(runs):
+    """Accelerate's "[RANK 0] Removed shared tensor {'lm_head.weight'} while saving" at every save of the tied Llama
+    (its checkpoints, the best one and the final weights): the file holds the tensor once, as safetensors needs, and
+    the loaders tie it again (the from_pretrained test below)."""
+    said = (runs[0] / "launch.stderr").read_text()
+    assert (runs[0] / "full" / "checkpoints" / "best").is_dir() and "Removed shared tensor" not in said, said[-2000:]
 
 
 def test_gradient_checkpointing_on_two_processes_changes_nothing(runs):

@@ -108,7 +108,9 @@ def default_job_learns_and_leaves_its_files(run_dir: Path, out: str, cwd: Path) 
 
     # The resolved configuration reads back as a config file and reproduces the defaults.
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert parse_config(["--config", str(run_dir / "config.yaml")]).to_dict() == resolved
+    assert "batch-size" in resolved and "batch_size" not in resolved  # named as the flags and the docs name them
+    assert parse_config(["--config", str(run_dir / "config.yaml")]).to_dict() == \
+        {name.replace("-", "_"): value for name, value in resolved.items()}
 
     # Final weights: saved once, and they load into a freshly built model of the same name.
     from acc_trainer.workload.components import build_data, build_model

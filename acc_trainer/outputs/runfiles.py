@@ -110,7 +110,9 @@ class RunFiles:
         fit() was given as `objects` (the model, the data, functions without an import path)."""
         if self.enabled:
             note = f"{OBJECTS_NOTE}{', '.join(objects)}\n" if objects else ""
-            options = {**cfg.to_dict(), **dict.fromkeys(NOT_RECORDED)}
+            # Named as the command line and the docs' YAML files name them (batch-size, not batch_size).
+            options = {name.replace("_", "-"): value for name, value in {**cfg.to_dict(),
+                                                                         **dict.fromkeys(NOT_RECORDED)}.items()}
             with self.writing(self.folder / "config.yaml"):
                 (self.folder / "config.yaml").write_text(note + yaml.safe_dump(options, sort_keys=False))
                 write_sums(self.folder, ["config.yaml"])  # evaluate and rerun verify it (the weights join it at the end)

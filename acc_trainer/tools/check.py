@@ -284,6 +284,9 @@ def main(argv: list[str]) -> None:
     add_training_options(parser, "every option of acc-trainer --help: the job to check (--output-dir keeps the "
                                  "runs' folders)")
     args = parser.parse_args(argv)
+    if "max_steps" in args:  # each short run is --steps long: a --max-steps would be ignored without a word
+        raise ConfigError(f"acc-trainer check runs --steps optimizer steps per short run (default 8): give --steps "
+                          f"{args.max_steps}, not --max-steps")
     cfg = config_from(args)
     output_dir, cfg = cfg.output_dir, replace(cfg, output_dir=None)
     faults = fault_names(args.faults, cfg)  # before the Checker makes its folder

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .. import patches
 from ..config import ConfigError, TrainConfig
 from ..data.faults import sample_name, stream_faults, unreadable_everywhere
 from ..distributed.processes import Group
@@ -348,7 +349,8 @@ def save_checkpoint(r: Run, name: str | None = None) -> None:
     saved = {**r.state.saved(r.accelerator), "world_size": r.world, "engine": r.engine,
              "parameters": r.trained.parameters, "frozen": r.trained.frozen, "config": r.cfg.to_dict()}
     with r.watch.slow("checkpoint"), r.output.checkpoints.writing(saved, name) as folder:
-        r.accelerator.save_state(str(folder))
+        with patches.shared_tensors_unsaid():  # tied weights, saved once and tied again on load
+            r.accelerator.save_state(str(folder))
         if r.accelerator.is_main_process:  # a transformers model's config.json: it loads with from_pretrained too
             config_files(r.accelerator.unwrap_model(r.trained.model, keep_torch_compile=False), folder,
                          whole=not r.trained.frozen or name == BEST)

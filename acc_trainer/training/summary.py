@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from .. import patches
 from ..config import TrainConfig
 from ..distributed import processes
 from ..language.adapters import is_peft, save_merged
@@ -86,7 +87,8 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
                     save_merged(module, tmp / "merged")
                     tokenizer_files(tokenizer, tmp / "merged")
         else:
-            accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
+            with patches.shared_tensors_unsaid():  # tied weights, saved once and tied again on load
+                accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
             if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained
                 config_files(module, tmp)
         if accelerator.is_main_process:  # the run's tokenizer: AutoTokenizer.from_pretrained(folder) too
