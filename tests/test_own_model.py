@@ -5,6 +5,7 @@ user makes with them. The user's files are written by tests/user_project.py into
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -401,7 +402,7 @@ def test_a_transformers_run_folder_loads_with_from_pretrained(tmp_path):
     GradientState._reset_state()
     out = tmp_path / "run"
     acc_trainer.fit(model, samples, batch_size=8, max_steps=4, checkpoint_every="2", optimizer="adamw", lr=1e-2,
-                    progress="none", plots=False, output_dir=str(out))
+                    metrics=["perplexity"], progress="none", plots=False, output_dir=str(out))
     model.eval()
     with torch.no_grad():
         expected = model(ids[:4]).logits
@@ -418,7 +419,9 @@ def test_a_transformers_run_folder_loads_with_from_pretrained(tmp_path):
     fresh = acc_trainer.evaluate(out, model=GPT2LMHeadModel(model.config), data=samples[:8], progress="none")
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    assert fresh == acc_trainer.evaluate(model, samples[:8], progress="none")
+    # With the run's own metrics (its config.yaml's): its perplexity too, which evaluate() used to leave out.
+    assert fresh["perplexity"] == pytest.approx(math.exp(fresh["loss"]))
+    assert fresh == acc_trainer.evaluate(model, samples[:8], metrics=["perplexity"], progress="none")
 
 
 def test_a_config_transformers_refuses_to_write_leaves_the_weights(tmp_path, capsys):

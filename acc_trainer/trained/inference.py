@@ -69,8 +69,11 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate",
                                     options.get("accept_unverified", False))
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
-    job = components.from_objects(model, dataset, None, loss, metrics, collate_fn or cfg.collate, forward or cfg.forward,
-                                  cfg.pack, cfg.data_pipeline)
+    # The run's own loss and metrics (config.yaml names those given by name) unless others are given: its perplexity,
+    # its F1, as the run evaluated them.
+    job = components.from_objects(model, dataset, None, loss if loss is not None else cfg.loss,
+                                  metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
+                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline)
     with _mode_kept(model):
         return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
 
