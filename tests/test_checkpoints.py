@@ -507,7 +507,7 @@ def test_a_checkpoint_left_half_replaced_is_written_over(tmp_path):
 @pytest.mark.parametrize("how,problem", [
     ("SHA256SUMS removed", "run folder {run} (config.yaml) is unverifiable: it has no SHA256SUMS"),
     ("SHA256SUMS emptied", "run folder {run} (config.yaml) is unverifiable: its SHA256SUMS does not list config.yaml"),
-    ("weights unlisted", "the weights {run}/model.safetensors is unverifiable: its SHA256SUMS does not list "
+    ("weights unlisted", "the weights {run}/model.safetensors are unverifiable: its SHA256SUMS does not list "
      "model.safetensors"),
     # config.yaml is read back to rebuild the model and data: another seed scored a 99.61 % run at 12.11 %
     ("seed edited", "run folder {run} (config.yaml) is damaged: config.yaml does not match the digest written with it"),

@@ -36,7 +36,7 @@ def test_help_names_every_command_and_each_its_own_options(help_text, main_in_pr
 
 def test_the_start_line_names_the_topology_as_a_reader_says_it(tmp_path, main_in_process):
     code, stdout, stderr = main_in_process("--max-steps", "2", "--progress", "plain", "--output-dir", tmp_path / "run")
-    assert code == 0 and "1 process(es) (one process, cpu)" in stdout and "(NO," not in stdout, stdout + stderr
+    assert code == 0 and "1 process(es) (undistributed, cpu)" in stdout and "(NO," not in stdout, stdout + stderr
 
 
 def test_console_script_is_the_same_command(help_text):

@@ -52,9 +52,9 @@ def test_a_checkpoint_written_before_the_newer_options_still_resumes(tmp_path):
                 "param_groups", "layer_decay", "collate", "forward"):
         state["config"].pop(key)
     state_file.write_text(json.dumps(state))
-    (state_file.parent / "SHA256SUMS").unlink()  # written before checksums, too
+    (state_file.parent / "SHA256SUMS").unlink()  # written before checksums, too: read only when accepted as such
     shutil.rmtree(run / "checkpoints" / "step-00000016")
-    resumed = run_here(*options, "--resume", str(run / "checkpoints" / "step-00000008"))
+    resumed = run_here(*options, "--resume", str(run / "checkpoints" / "step-00000008"), "--accept-unverified")
     assert resumed.returncode == 0, resumed.stderr
 
 
@@ -188,7 +188,8 @@ def test_evaluate_and_predict_from_python_on_several_processes(finished, tmp_pat
 
 def test_bad_input_after_training_is_one_line(finished, tmp_path):
     (tmp_path / "no_weights").mkdir()
-    shutil.copy(finished / "config.yaml", tmp_path / "no_weights" / "config.yaml")
+    for name in ("config.yaml", "SHA256SUMS"):  # a run's options, verified, without its weights
+        shutil.copy(finished / name, tmp_path / "no_weights" / name)
     cases = [
         (["evaluate", tmp_path / "no_weights"], "model.safetensors does not exist (a run writes model.safetensors when "
                                                 "it finishes); give --weights FILE: never an evaluation of random weights"),

@@ -230,7 +230,8 @@ def test_a_checkpoint_of_another_model_is_refused_by_its_parameters(project, mai
     (project / "my_model.py").write_text((project / "my_model.py").read_text().replace("width=32", "width=40"))
     for name in user_project.MODULES:  # a new process imports the changed file
         sys.modules.pop(name, None)
-    code, _, stderr = main_in_process(*args, "--max-steps", "4", "--checkpoint-every", "4", "--resume", "auto")
+    code, _, stderr = main_in_process(*args, "--max-steps", "4", "--checkpoint-every", "4", "--resume",
+                                      out / "checkpoints" / "step-00000004")
     assert code == 2, stderr
     assert (f"acc-trainer: error: checkpoint {out}/checkpoints/step-00000004 holds a different model: "
             "hidden.weight [32, 16] in the checkpoint, [40, 16] here") in stderr

@@ -47,7 +47,7 @@ def test_end_of_run_summary_table(two_runs):
     best = max(s["evals"], key=lambda e: e["accuracy"])
     assert f"accuracy {best['accuracy']:.2%} at step {best['step']}" in out
     assert f"{s['samples_per_s']:,.0f} samples/s" in out and "waiting for data" in out
-    assert "1 process(es), NO on cpu, precision no" in out
+    assert "1 process(es), undistributed on cpu, precision no" in out  # not Accelerate's "NO"
     assert f"{two_runs / 'fast'}/model.safetensors" in out and "plots/" in out
 
 
@@ -62,6 +62,7 @@ def test_report_compares_runs(two_runs, tmp_path, main_in_process):
         assert f"{s['eval']['accuracy']:.2%}" in row and f"{s['eval']['loss']:.4f}" in row
         assert f"{s['samples_per_s']:,.0f}" in row and "mlp / synthetic" in row
     assert f"comparison figure: {figure}" in stdout
+    assert "options that differ: --lr (lr 3e-4: 0.0003, lr 3e-3: 0.003)" in stdout  # what makes them differ
     assert_png(figure)
 
 

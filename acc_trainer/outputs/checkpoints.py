@@ -268,15 +268,16 @@ def damage(folder: Path, needed: list[str] | None = None) -> str | None:
     return None
 
 
-def unverified(what: str, problem: str | None, accept: bool) -> str | None:
+def unverified(what: str, problem: str | None, accept: bool, verb: str = "is") -> str | None:
     """`problem` (from `damage`) as the ConfigError to raise, or, for an unverifiable folder with --accept-unverified,
-    the note that says it was read unchecked (None: nothing to say)."""
+    the note that says it was read unchecked (None: nothing to say). `what ... verb`: "the weights F are"."""
     if problem is None:
         return None
     if accept and problem.startswith("unverifiable"):
-        return f"note: --accept-unverified: {what} is {problem}, and was read without checking its files"
+        return f"note: --accept-unverified: {what} {verb} {problem}, and {verb.replace('is', 'was').replace('are', 'were')} " \
+               "read without checking"
     hint = "; --accept-unverified reads it unchecked" if problem.startswith("unverifiable") else ""
-    raise ConfigError(f"{what} is {problem}{hint}")
+    raise ConfigError(f"{what} {verb} {problem}{hint}")
 
 
 def _sha256(path: Path) -> str:

@@ -158,6 +158,6 @@ def summary_table(summary: dict, plots: list) -> Table:
 
 
 def engine_name(distributed_type: str) -> str:
-    """Accelerate's distributed type as a reader says it (its "NO" is one process, undistributed)."""
-    return {"NO": "one process", "MULTI_CPU": "DDP over gloo", "MULTI_GPU": "DDP", "DEEPSPEED": "DeepSpeed"}.get(
+    """Accelerate's distributed type as a reader says it (its "NO": one process, nothing distributed)."""
+    return {"NO": "undistributed", "MULTI_CPU": "DDP over gloo", "MULTI_GPU": "DDP", "DEEPSPEED": "DeepSpeed"}.get(
         distributed_type, distributed_type)

@@ -71,9 +71,26 @@ def report(runs: list[Path], labels: list[str], output: Path, console: Console |
             f"{s['samples_per_s']:,.0f}" if s.get("samples_per_s") else "-",
         )
     console.print(table)
+    differing = _differing_options(runs, labels)
+    if differing:
+        console.print(f"options that differ: {differing}", markup=False, soft_wrap=True)
     plot_comparison(runs, labels, output)
     console.print(f"comparison figure: {output}")
     return table
+
+
+def _differing_options(runs: list[Path], labels: list[str]) -> str:
+    """The options (config.yaml) whose values differ between the runs, each with every run's value: `--lr (a: 0.1, b:
+    0.01)`; the folders they wrote to and how they showed progress left out."""
+    from ..config import load_yaml
+    from ..outputs.checkpoints import MAY_CHANGE
+
+    configs = [load_yaml(run / "config.yaml") if (run / "config.yaml").is_file() else {} for run in runs]
+    names = sorted({name for config in configs for name in config} - MAY_CHANGE)
+    differ = [name for name in names if len({repr(config.get(name)) for config in configs}) > 1]
+    return "; ".join(f"--{name.replace('_', '-')} (" + ", ".join(f"{label}: {config.get(name)}"
+                                                              for label, config in zip(labels, configs)) + ")"
+                     for name in differ)
 
 
 def _best(summary: dict) -> str:

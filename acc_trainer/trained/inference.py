@@ -146,7 +146,7 @@ def _verified(weights: Path, give: str, accept: bool = False) -> Path:
     if not weights.is_file():
         raise ConfigError(f"{weights} does not exist (a run writes model.safetensors when it finishes); give {give}"
                           f"{'' if give.endswith('=') else ' '}FILE: never an evaluation of random weights")
-    say_note(unverified(f"the weights {weights}", damage(weights.parent, [weights.name]), accept))
+    say_note(unverified(f"the weights {weights}", damage(weights.parent, [weights.name]), accept, "are"))
     return weights
 
 

@@ -46,7 +46,7 @@ def rerun_config(argv: list[str]) -> tuple[Path, TrainConfig]:
     cfg = config_from(args)
     weights = args.run / weights_name(cfg)  # compared with the new run's: verified too (a stopped run has none)
     if weights.is_file():
-        say_note(unverified(f"the weights {weights}", damage(args.run, [weights.name]), accept))
+        say_note(unverified(f"the weights {weights}", damage(args.run, [weights.name]), accept, "are"))
     return args.run, cfg
 
 
