@@ -64,6 +64,12 @@ def test_each_format_is_the_trained_model(runs):
         pt2_out = torch.export.load(run / "export" / "model.pt2").module()(images)
     assert torch.allclose(torch.from_numpy(onnx_out), expected, atol=1e-5)
     assert torch.equal(pt2_out, expected)
+    # The image's channels, height and width stay the model's (they were symbolic, the channels named '3'); any batch; the
+    # output named for what it is (it was the layer's 'linear_2').
+    graph = __import__("onnx").load(run / "export" / "model.onnx").graph
+    dims = [d.dim_param or d.dim_value for d in graph.input[0].type.tensor_type.shape.dim]
+    assert isinstance(dims[0], str) and dims[1:] == list(images.shape[1:]), dims
+    assert [o.name for o in graph.output] == ["output"]
     exported = load_file(run / "export" / "model.safetensors")
     assert exported.keys() == load_file(run / "model.safetensors").keys()
     model.load_state_dict(exported)

@@ -86,6 +86,14 @@ def test_lora_fine_tune_starts_from_the_first_run_and_its_adapter_loads_with_pef
     assert len(samples) == 3
     for prompt, text in samples.items():
         assert _greedy(model, tokenizer, prompt) == text
+    # The adapter names its base (the --init-from folder), so peft's Auto class loads both from the run folder alone,
+    # offline (it was null: peft then looked for a model on the Hub).
+    from peft import AutoPeftModelForCausalLM
+
+    assert json.loads((lora / "adapter_config.json").read_text())["base_model_name_or_path"] == str(full.resolve())
+    alone = AutoPeftModelForCausalLM.from_pretrained(lora)
+    prompt = next(iter(samples))
+    assert _greedy(alone, tokenizer, prompt) == samples[prompt]
 
 
 def test_bench_lm_measures_the_three_loops_and_prints_their_ratios(tmp_path):

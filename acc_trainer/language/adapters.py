@@ -52,12 +52,25 @@ def apply_lora(cfg: TrainConfig, model):
                         lora_dropout=cfg.lora_dropout, target_modules=targets, task_type=task)
     try:
         with _old_names_quiet():
-            return get_peft_model(model, config)
+            wrapped = get_peft_model(model, config)
+        # get_peft_model records the model's own name_or_path (none for a model built from its config)
+        for adapter in wrapped.peft_config.values():
+            adapter.base_model_name_or_path = _base_folder(cfg) or adapter.base_model_name_or_path
+        return wrapped
     except ValueError as e:
         if "not found in the base model" in str(e) or "No modules were targeted" in str(e):
             raise ConfigError(f"--lora-targets {','.join(cfg.lora_targets or [targets])}: no such layer in "
                               f"{type(model).__name__} (its layers: {_layer_names(model)})") from None
         raise ConfigError(f"--lora: {first_line(e)}") from None
+
+
+def _base_folder(cfg: TrainConfig) -> str | None:
+    """Where the adapter's base model loads from (adapter_config.json's base_model_name_or_path, which
+    AutoPeftModelForCausalLM.from_pretrained(run) reads): the --init-from folder that from_pretrained loads (a run's
+    final folder, a model's), as an absolute path, never a name on the Hub; None for a base built from its config."""
+    if cfg.init_from and (Path(cfg.init_from) / "config.json").is_file():
+        return str(Path(cfg.init_from).resolve())
+    return None
 
 
 @contextmanager

@@ -139,16 +139,21 @@ def _model_inputs(job: components.Workload, model, batch) -> tuple[tuple, dict]:
 
 
 def _exported(model, args: tuple, kwargs: dict):
-    """torch.export's program of the model, every input dimension left to vary where the model allows it."""
+    """torch.export's program of the model: the batch dimension of every input left to vary, and every dimension of
+    integer inputs (token ids, masks, positions: a sequence's length varies too) where the model allows it; the other
+    dimensions of a float input (an image's channels, height and width) stay what the model was trained on."""
     from torch.export import Dim
 
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     except TypeError as e:
         raise ConfigError(f"export: {type(model).__name__}'s forward does not take its inputs by name: {e}") from None
-    shapes = {name: torch.utils._pytree.tree_map(
-        lambda v: {i: Dim.AUTO for i in range(v.dim())} if isinstance(v, torch.Tensor) else None, value)
-        for name, value in bound.items()}
+    def varying(v):
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return None
+        return {i: Dim.AUTO for i in range(v.dim() if not v.is_floating_point() else 1)}
+
+    shapes = {name: torch.utils._pytree.tree_map(varying, value) for name, value in bound.items()}
     try:
         return torch.export.export(model, args, kwargs, dynamic_shapes=shapes)
     except Exception as e:  # noqa: BLE001 - code torch.export cannot capture is the user's model, said in one line
@@ -177,7 +182,12 @@ def _onnx(model, args: tuple, kwargs: dict, output: Path) -> tuple:
     large = sum(t.numel() * t.element_size() for t in model.state_dict().values()) > _LARGE
     for old in (output, output.with_name(output.name + ".data")):  # an earlier export's weights file would stay
         old.unlink(missing_ok=True)
-    torch.onnx.export(program, f=str(output), external_data=large, verbose=False)
+    outputs = len(program.graph_signature.user_outputs)
+    # Named for what they are, not for the layer that made them ("linear_2"): a model's one output, a language model's
+    # logits.
+    names = (["logits"] if hasattr(model, "config") and hasattr(model, "generate") else ["output"]) if outputs == 1 \
+        else None
+    torch.onnx.export(program, f=str(output), external_data=large, verbose=False, output_names=names)
     files = [str(p) for p in (output, output.with_name(output.name + ".data")) if p.exists()]
     inputs = [t.numpy() for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     got, checker = _run_onnx(output, inputs)
