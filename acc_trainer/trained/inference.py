@@ -230,9 +230,10 @@ def _predict(cfg: TrainConfig, job: components.Workload, dataset, output: Path |
     if size is None and output is not None and output.suffix == ".npz":
         raise ConfigError(f"predict: .npz arrays are made at the stream's size, and {job.dataset_name} does not say it "
                           "(no __len__); write .jsonl or .csv")
-    if generate:
+    if generate:  # prompts to continue: no labels, no loss (the first-sample check is the training path's)
         check_generates(job.model, job.tokenizer, "predict --generate", "--tokenizer (the run folder holds none)")
-    check_fit(job)  # one line for data that does not fit the model
+    else:
+        check_fit(job)  # one line for data that does not fit the model
     accelerator, model, loader = _prepared(cfg, job, dataset, group)
     model.eval()
     writer = Writer(output, size) if accelerator.is_main_process else None
