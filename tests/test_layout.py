@@ -65,16 +65,17 @@ def part(module: str) -> str:
     return parts[1] if len(parts) > 1 else "acc_trainer"
 
 
+def table_rows(heading: str) -> list[list[str]]:
+    """The rows of the table under `heading` in docs/layout.md whose first cell is code (`...`), as lists of cells."""
+    table = LAYOUT.read_text().split(f"## {heading}")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()]
+    return [cells for cells in rows if len(cells) >= 2 and cells[0].startswith("`")]
+
+
 def documented_layers() -> dict[str, set[str]]:
     """docs/layout.md's table of parts: each part, and the parts it may import."""
-    table = LAYOUT.read_text().split("## The parts and what each may import")[1].split("\n## ")[0]
-    found = {}
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 3 and cells[0].startswith("`"):
-            name = cells[0].strip("`").removeprefix("acc_trainer/").strip("/")
-            found[name] = set(re.findall(r"`([\w ]+)`", cells[2]))
-    return found
+    return {cells[0].strip("`").removeprefix("acc_trainer/").strip("/"): set(re.findall(r"`([\w ]+)`", cells[2]))
+            for cells in table_rows("The parts and what each may import")}
 
 
 def test_no_import_circle():
@@ -272,13 +273,10 @@ def accelerate_calls() -> dict[str, set[str]]:
 
 def documented_calls() -> dict[str, set[str]]:
     """docs/layout.md's table of Accelerate calls: each call, and the modules it is made in."""
-    table = LAYOUT.read_text().split("## Where Accelerate is called")[1].split("\n## ")[0]
     found = {}
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 2 and cells[0].startswith("`"):
-            for call in re.findall(r"`([^`]+)`", cells[0]):
-                found[call] = set(re.findall(r"`(?:acc_trainer/)?([\w/]+\.py)`", cells[1]))
+    for cells in table_rows("Where Accelerate is called"):
+        for call in re.findall(r"`([^`]+)`", cells[0]):
+            found[call] = set(re.findall(r"`(?:acc_trainer/)?([\w/]+\.py)`", cells[1]))
     return found
 
 

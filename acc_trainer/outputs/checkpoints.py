@@ -274,8 +274,7 @@ def unverified(what: str, problem: str | None, accept: bool, verb: str = "is") -
     if problem is None:
         return None
     if accept and problem.startswith("unverifiable"):
-        return f"note: --accept-unverified: {what} {verb} {problem}, and {verb.replace('is', 'was').replace('are', 'were')} " \
-               "read without checking"
+        return f"note: --accept-unverified: {what} {verb} {problem}; read without checking"
     hint = "; --accept-unverified reads it unchecked" if problem.startswith("unverifiable") else ""
     raise ConfigError(f"{what} {verb} {problem}{hint}")
 
