@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "fit": ("acc_trainer.training.api", "fit"),
     "train": ("acc_trainer.training.api", "train"),
+    "find_lr": ("acc_trainer.training.api", "find_lr"),  # the learning-rate range test, on a copy of the model
     "check": ("acc_trainer.tools.check", "check"),
     "evaluate": ("acc_trainer.trained.inference", "evaluate"),  # a trained model on any set, exactly
     "predict": ("acc_trainer.trained.inference", "predict"),  # one row per sample, in the dataset's order

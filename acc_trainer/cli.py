@@ -7,6 +7,7 @@ language model, against the Hugging Face Trainer and a plain Accelerate loop).
 `acc-trainer export RUN_DIR --format ...` writes a run's model as ONNX, pt2 or safetensors (exporting.py);
 `acc-trainer rerun RUN_DIR` trains a run again from its config.yaml (reruns.py).
 `acc-trainer sweep SPACE.yaml` searches options with Optuna, each trial a run in its own process (tools/sweep.py).
+`acc-trainer lr-find [options]` runs the learning-rate range test and suggests a learning rate (tools/lr_find.py).
 The flags are built from `TrainConfig` (flags.py); the sub-commands live in the tools sub-package,
 imported only when named. A user mistake prints one line on stderr and exits with code 2.
 """
@@ -20,7 +21,8 @@ import sys
 from .config import ConfigError, did_you_mean, first_line
 from .flags import parse_config
 
-COMMANDS = ("launch", "report", "bench", "bench-lm", "check", "check-data", "evaluate", "predict", "export", "rerun", "sweep")
+COMMANDS = ("launch", "report", "bench", "bench-lm", "check", "check-data", "evaluate", "predict", "export", "rerun", "sweep",
+            "lr-find")
 
 
 def check_data(argv: list[str]) -> None:
@@ -54,7 +56,8 @@ def check_data(argv: list[str]) -> None:
         sys.exit(1)
 
 
-SUBCOMMANDS = ("report", "launch", "check-data", "evaluate", "predict", "check", "bench", "bench-lm", "export", "sweep")
+SUBCOMMANDS = ("report", "launch", "check-data", "evaluate", "predict", "check", "bench", "bench-lm", "export", "sweep",
+               "lr-find")
 
 
 def sub_command(name: str):
@@ -89,6 +92,10 @@ def sub_command(name: str):
         from .tools.sweep import main as sweep
 
         return sweep
+    if name == "lr-find":
+        from .tools.lr_find import main as lr_find
+
+        return lr_find
     from .tools.lm_bench import main as bench_lm  # acc_trainer against the Hugging Face Trainer on a language model
 
     return bench_lm

@@ -1,12 +1,15 @@
 """The public API of training: `train(config)` trains what the options name (built-in names or import paths,
 resolved in components.py); `fit(model, train_data, ...)` trains a user's own objects. Both end in the one
-loop (loop.run).
+loop (loop.run). `find_lr` (fit's arguments) and `range_test` (train's, for `acc-trainer lr-find`) run the
+learning-rate range test (lr_range.py) through the same loop, on a copy of the weights.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -15,6 +18,7 @@ from accelerate.utils import set_seed
 from ..config import ConfigError, TrainConfig, did_you_mean, make_config
 from ..distributed import processes
 from ..workload import components
+from . import lr_range
 from .loop import run
 
 
@@ -52,8 +56,12 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     run and fit() raises it. `options` are TrainConfig fields (`epochs=3, batch_size=256, init_from="w.pt", ...`),
     applied over `config`. Every process of a launch calls this with the same arguments; returns the run summary.
     Python's, NumPy's and torch's global random states are the caller's again afterwards (the run draws from
-    `seed`), and each run may take its own `mixed_precision`.
+    `seed`), and each run may take its own `mixed_precision`. `lr="find"` runs find_lr first (its defaults, into
+    `<output_dir>/lr-find` or runs/lr-find-...) and trains with its suggestion.
     """
+    if options.get("lr") == "find":
+        options["lr"] = _found_lr(model, train_data, options, loss=loss, metrics=metrics, collate_fn=collate_fn,
+                                  forward=forward, optimizer=optimizer, tokenizer=tokenizer, config=config)
     factories = {}
     for name, given, kind in (("optimizer", optimizer, torch.optim.Optimizer),
                               ("scheduler", scheduler, torch.optim.lr_scheduler.LRScheduler)):
@@ -87,6 +95,95 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     with _random_state_kept():
         _fresh_accelerator_state()
         return run(cfg, job)
+
+
+def find_lr(model, train_data, eval_data=None, *, min_lr: float = 1e-7, max_lr: float = 1.0, steps: int = 100,
+            output_dir: str | None = None, optimizer=None, scheduler=None, config: TrainConfig | None = None,
+            **fit_args) -> lr_range.RangeTest:
+    """The learning-rate range test (lr_range.py) of what `fit(model, train_data, ..., **fit_args)` would train: `steps`
+    optimizer steps of fit()'s own loop on a copy of `model`, the learning rate growing exponentially from `min_lr` to
+    `max_lr`, each step's loss recorded. Returns a RangeTest: `suggestion` (the learning rate where the smoothed loss
+    falls fastest), `lrs`, `losses`, `smoothed`, `stopped_at`, `folder` and `figure`. `model` keeps its weights and
+    the global random states are the caller's again: fit(model, ..., lr=suggestion) afterwards trains exactly as it
+    would have without the test. The test does not evaluate (`eval_data` is taken for fit's signature, and left
+    out), and its schedule replaces `scheduler`. Its files go to `output_dir` (lr_find.json, lr_find.png and the
+    run in run/), by default a new runs/lr-find-<time>-<model>-<dataset>. Raises ConfigError for bad input and
+    when the loss diverges too soon to suggest a learning rate."""
+    test = lr_range.RangeTest(min_lr, max_lr, steps)
+    schedule = lr_range.Schedule(test)
+    options = {k: v for k, v in fit_args.items() if k in TrainConfig.__dataclass_fields__ and k != "lr"}
+    cfg = fit_config(model, train_data, config, options)
+    processes.start(cfg)  # the process group: the main process names the folder for all
+    folder = lr_range.folder_for(output_dir, cfg.model, cfg.dataset)
+    if callable(optimizer) and not isinstance(optimizer, (str, torch.optim.Optimizer)):
+        optimizer = _starting_at(optimizer, min_lr)
+    with lr_range.ending_where_not_finite(test):
+        fit(copy.deepcopy(model), train_data, None, optimizer=optimizer, scheduler=schedule, config=config,
+            **{**fit_args, **lr_range.run_options(test, folder)})
+    title = " on ".join(name.rpartition(":")[2] for name in (cfg.model, cfg.dataset))
+    return _concluded(test, folder, schedule, title)
+
+
+def range_test(cfg: TrainConfig, min_lr: float = 1e-7, max_lr: float = 1.0, steps: int = 100) -> lr_range.RangeTest:
+    """`acc-trainer lr-find`: find_lr on the workload `cfg` names, built as train() builds it, without its evaluation
+    set; `cfg.output_dir` is the test's folder. Every process calls this."""
+    test = lr_range.RangeTest(min_lr, max_lr, steps)
+    schedule = lr_range.Schedule(test)
+    with _random_state_kept():
+        _fresh_accelerator_state()
+        group = processes.start(cfg)
+        folder = lr_range.folder_for(cfg.output_dir, cfg.model, cfg.dataset)
+        cfg = make_config({**cfg.to_dict(), **lr_range.run_options(test, folder), "scheduler": "constant"})
+        set_seed(cfg.seed)
+        job = components.build_workload(cfg)
+        job.data = replace(job.data, eval=None, kind=replace(job.data.kind, eval=None))
+        job.scheduler = schedule
+        with lr_range.ending_where_not_finite(test):
+            run(cfg, job, group)
+    return _concluded(test, folder, schedule, f"{cfg.model} on {cfg.dataset}")
+
+
+def _found_lr(model, train_data, options: dict, **fit_args) -> float:
+    """fit(lr="find"): find_lr with fit's arguments (into the run's folder's lr-find/), its suggestion said."""
+    from accelerate import PartialState
+
+    if callable(fit_args["optimizer"]) and not isinstance(fit_args["optimizer"], str):
+        raise ConfigError("fit: lr=\"find\" sets the run's lr, which an optimizer factory does not take (it names its "
+                          "own): run find_lr(...) first and put its suggestion in the factory")
+    rest = {k: v for k, v in options.items() if k not in ("lr", "output_dir")}
+    run_folder = options.get("output_dir") or (fit_args["config"].output_dir if fit_args["config"] else None)
+    where = f"{run_folder}/lr-find" if run_folder else None
+    test = find_lr(model, train_data, output_dir=where, **fit_args, **rest)
+    if PartialState().is_main_process:
+        print(f"lr=\"find\": suggested learning rate {test.suggestion:.1e} (steepest descent of the smoothed loss; "
+              f"figure: {test.figure}); training with it")
+    return test.suggestion
+
+
+def _starting_at(factory, lr: float):
+    """fit's optimizer factory, its groups' learning rate set to the test's first (a factory names its own)."""
+    def build(groups):
+        optimizer = factory(groups)
+        for group in getattr(optimizer, "param_groups", []):
+            group["lr"] = lr
+        return optimizer
+
+    return build
+
+
+def _concluded(test: lr_range.RangeTest, folder, schedule: lr_range.Schedule, title: str) -> lr_range.RangeTest:
+    """The test's curve and suggestion, made by the main process from its run's files and handed to every process;
+    a curve too short to suggest from raises its ConfigError on each."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState()
+    made = [lr_range.conclude(test, folder, schedule, title) if state.is_main_process else None]
+    if state.num_processes > 1:
+        broadcast_object_list(made)
+    if isinstance(made[0], ConfigError):
+        raise made[0]
+    return made[0]
 
 
 def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[str, ...]:
