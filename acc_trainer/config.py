@@ -132,6 +132,10 @@ class TrainConfig:
         128, "GLOBAL batch per optimizer step, summed over processes and accumulation micro-batches"
     )
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
+    micro_batch: str | None = _opt(
+        None, "samples per process in one forward pass, the rest of --batch-size made up by accumulation (sets "
+              "--grad-accum); auto: the largest that fits the device's memory, halving from the global batch's share",
+        metavar="N|auto")
     eval_batch_size: int | None = _opt(
         None, "evaluation batch PER PROCESS (default: the per-process training micro-batch); results do not depend on it"
     )
@@ -171,6 +175,10 @@ class TrainConfig:
                                   "groups (e.g. torch.optim:RAdam)", metavar="NAME|PATH")
     optimizer_args: dict | None = _opt(None, "keyword arguments for --optimizer, a YAML/JSON mapping (lr and the groups "
                                              "are the trainer's)", metavar="MAPPING")
+    fused_optimizer: bool = _opt(False, "sgd, adam and adamw under DDP or on one process: torch's fused implementation "
+                                        "(one kernel over every parameter) instead of its foreach one (the default, the "
+                                        "same update as torch's plain loop); on a CPU it breaks the 1e-5 guarantee "
+                                        "between process counts (docs/performance.md)")
     lr: float = _opt(1e-3, "learning rate (before --scale-lr)")
     momentum: float = _opt(0.9, "SGD momentum")
     nesterov: bool = _opt(False, "use Nesterov momentum with SGD")
@@ -262,6 +270,15 @@ class TrainConfig:
         "auto", "rich: live bars; plain: one line per log step; auto: rich on a terminal, else plain", choices=PROGRESS
     )
 
+    def _check_micro_batch(self) -> None:
+        if self.micro_batch is None:
+            return
+        self.micro_batch = str(self.micro_batch)  # a YAML file gives a number
+        if self.micro_batch != "auto" and not (self.micro_batch.isdigit() and int(self.micro_batch) > 0):
+            raise ConfigError(f"--micro-batch takes a positive number of samples or auto, not {self.micro_batch!r}")
+        if self.grad_accum != 1:
+            raise ConfigError("give --micro-batch or --grad-accum, not both: --micro-batch sets the accumulation")
+
     def validate(self) -> "TrainConfig":
         """Check everything that does not need the Accelerator. Returns self."""
         self._check_choices()
@@ -271,6 +288,7 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches"
             )
+        self._check_micro_batch()
         self._check_model_and_data()
         self._checkpoint_parts()  # parses --checkpoint-every
         self._check_optimizer_setup()

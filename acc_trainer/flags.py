@@ -23,6 +23,7 @@ commands (acc-trainer COMMAND --help describes each):
   acc-trainer bench-lm [--processes 1,2] [options]     a language model's tokens/s vs the Hugging Face Trainer
   acc-trainer check [--steps N] [options]              prove the job trains the same on 1 and 2 processes and resumes exactly
   acc-trainer check-data [options]                     open every sample once; list those that cannot be read
+  acc-trainer lr-find [--min-lr] [--max-lr] [--steps] [options]   the learning-rate range test: a figure, a suggestion
   acc-trainer evaluate RUN_DIR [--weights F] [--output F.json] [options]   a finished run's weights on any set
   acc-trainer predict RUN_DIR --output F.jsonl|.csv|.npz [options]         one row per sample, in order
   acc-trainer export RUN_DIR --format onnx|pt2|safetensors [--output F]     the model for other tools, checked
@@ -45,12 +46,12 @@ THEMES = {
     "What to train": ("model", "dataset", "data_dir", "model_args", "dataset_args", "loss", "collate", "forward",
                       "tokenizer"),
     "How long": ("epochs", "max_steps"),
-    "Batches": ("batch_size", "grad_accum", "eval_batch_size"),
+    "Batches": ("batch_size", "grad_accum", "micro_batch", "eval_batch_size"),
     "Fine-tuning": ("init_from", "init_strict", "pretrained", "freeze", "unfreeze_at", "param_groups",
                     "no_decay_norm_bias", "layer_decay", "lora", "lora_alpha", "lora_dropout", "lora_targets",
                     "lora_merge"),
-    "Optimizer and schedule": ("optimizer", "optimizer_args", "momentum", "nesterov", "weight_decay", "lr", "scale_lr",
-                               "lr_reference_batch", "scheduler", "warmup_steps", "lr_step_epochs", "lr_gamma",
+    "Optimizer and schedule": ("optimizer", "optimizer_args", "fused_optimizer", "momentum", "nesterov", "weight_decay",
+                               "lr", "scale_lr", "lr_reference_batch", "scheduler", "warmup_steps", "lr_step_epochs", "lr_gamma",
                                "max_grad_norm"),
     "Precision and devices": ("mixed_precision", "cpu", "sync_bn", "seed", "dist_timeout", "hang_timeout"),
     "Data": ("augment", "mixup", "cutmix", "label_smoothing", "ema", "data_pipeline", "num_workers", "train_size",

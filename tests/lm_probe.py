@@ -60,6 +60,8 @@ JOBS = {
     "dropout": dict(model=dict(dropout=0.1)),
     "dropout_checkpointed": dict(model=dict(dropout=0.1), gradient_checkpointing=True),
     "packed": dict(pack=32, collate_fn=None),  # blocks of 32 tokens, documents attending within themselves
+    # --compile: the Llama's layers compiled in place (regional compilation), checkpoints at steps 3 and 6
+    "compiled": dict(pack=32, collate_fn=None, compile=True, checkpoint_every=3),
 }
 
 

@@ -7,6 +7,7 @@ Performance section quotes a real run.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from conftest import run_cli
@@ -24,8 +25,9 @@ def test_bench_runs_every_variant_and_writes_its_files(tmp_path, main_in_process
     out = tmp_path / "bench"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     code, stdout, stderr = main_in_process("bench", "--model", "mlp", "--dataset", "fake", "--batch-size", "32",
-                                           "--train-size", "256", "--processes", "1,2", "--steps", "6", "--repeats",
-                                           "1", "--pipelines", "batched,stream", "--bench-dir", out)
+                                           "--train-size", "256", "--processes", "1,2", "--steps", "6", "--warmup", "2",
+                                           "--log-every", "2", "--repeats", "1", "--pipelines", "batched,stream",
+                                           "--bench-dir", out)
     assert code == 0, stdout[-3000:] + stderr[-5000:]
     report = json.loads((out / "bench.json").read_text())
     rows = {(r["implementation"], r["processes"]): r for r in report["rows"]}
@@ -41,10 +43,26 @@ def test_bench_runs_every_variant_and_writes_its_files(tmp_path, main_in_process
     assert sorted((s["dataset"], s["world_size"]) for s, _ in runs) == [
         ("acc_trainer.tools.bench:stream_data", 1), ("acc_trainer.tools.bench:stream_data", 2), ("fake", 1), ("fake", 2)]
     assert all(s["steps"] == 6 and s["train_samples"] == 6 * 32 and c["progress"] == "auto" for s, c in runs)
-    # The speeds the bench reports are the ones its runs measured, and each printed ratio is theirs.
+    # The speeds the bench reports are the ones its runs measured over the steps after the 2 of warm-up (log steps
+    # 4 and 6 of metrics.jsonl), not the whole run's of the summary, and each printed ratio is theirs.
     measured = {name: [m["samples_per_s"] for m in runs_of] for name, runs_of in report["runs"].items()}
-    assert sorted(measured["acc_trainer@1"] + measured["acc_trainer stream@1"] + measured["acc_trainer@2"]
-                  + measured["acc_trainer stream@2"]) == sorted(s["samples_per_s"] for s, _ in runs)
+    steady = []
+    for d in (out / "runs").iterdir():
+        logged = {r["step"]: r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+        assert sorted(logged) == [2, 4, 6]
+        steady.append(4 * 32 / (2 * logged[4]["step_time_s"] + 2 * logged[6]["step_time_s"]))
+    ours = sorted(measured["acc_trainer@1"] + measured["acc_trainer stream@1"] + measured["acc_trainer@2"]
+                  + measured["acc_trainer stream@2"])
+    assert ours == pytest.approx(sorted(steady), rel=1e-9) and ours != sorted(s["samples_per_s"] for s, _ in runs)
+    # The warm-up apart: its 2 steps' extra time over steady steps; MFU from the runs' model FLOPs per sample over
+    # the CPU's measured matrix-multiply rate.
+    flops = {s["model_flops_per_sample"] for s, _ in runs}
+    assert len(flops) == 1 and flops.pop() > 0 and report["peak_flops"] > 1e8 and "measured fp32" in report["peak"]
+    for row in rows.values():
+        assert row["warmup_extra_s"] == pytest.approx(row["warmup_s"] - 2 * row["step_time_s"])
+        assert row["mfu"] == pytest.approx(runs[0][0]["model_flops_per_sample"] * row["samples_per_s"]
+                                           / report["peak_flops"])
+        assert f" | {row['warmup_extra_s']:.2f} | {row['mfu']:.1%} | " in (out / "bench.md").read_text()
     for name, (speed,) in measured.items():
         kind, n = name.split("@")
         assert f"repeat 1/1  {kind:>11} x{n}: {speed:>10,.0f} samples/s" in stdout
@@ -65,7 +83,9 @@ def test_bench_runs_every_variant_and_writes_its_files(tmp_path, main_in_process
 def test_bench_input_errors(tmp_path):
     for args, message in [(["--processes", "0"], "--processes must be positive numbers"),
                           (["--baselines", "tensorflow"], "unknown baseline 'tensorflow'"),
-                          (["--processes", "3", "--batch-size", "128"], "--batch-size 128 does not split over 3")]:
+                          (["--processes", "3", "--batch-size", "128"], "--batch-size 128 does not split over 3"),
+                          (["--steps", "60", "--warmup", "5"], "--warmup and --steps must be multiples of --log-every (10)"),
+                          (["--steps", "10", "--warmup", "10"], "0 < warmup < steps")]:
         result = run_cli("bench", *args, cwd=tmp_path)
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("acc-trainer: error: ") and message in result.stderr
@@ -105,9 +125,9 @@ def test_whole_process_speed_is_the_difference_of_two_runs(monkeypatch, tmp_path
     walls = {("acc_trainer", 100): 5.0, ("acc_trainer", 200): 6.0, ("raw", 100): 4.0, ("raw", 200): 6.0}
     calls = []
 
-    def fake_run(kind, processes, cfg, steps, folder):
+    def fake_run(kind, processes, cfg, steps, folder, warmup):
         calls.append((kind, steps))
-        return {"samples_per_s": 1.0, "time_s": 1.0, "step_time_s": 0.01, "data_time_s": 0.001,
+        return {"samples_per_s": 1.0, "time_s": 1.0, "step_time_s": 0.01, "data_time_s": 0.001, "warmup_s": 0.2,
                 "peak_memory_mb": 1.0, "wall_s": walls[(kind, steps)]}
 
     monkeypatch.setattr(bench, "run_variant", fake_run)
@@ -120,3 +140,87 @@ def test_whole_process_speed_is_the_difference_of_two_runs(monkeypatch, tmp_path
     assert rows["raw"]["whole_samples_per_s"] == 100 * 32 / 2.0
     assert rows["acc_trainer"]["whole_vs_baseline"] == 2.0
     assert "| acc_trainer | 1 | 3,200 | 2.000 |" in (out / "bench.md").read_text()
+
+
+def _slow_start(monkeypatch, cls, seconds: float, first: int) -> None:
+    """`cls`'s forward sleeps `seconds` in its first `first` training batches (not the start-up forwards of one or
+    two samples): a warm-up such as compilation or the device's first kernels."""
+    forward, calls = cls.forward, []
+
+    def slow(self, x):
+        if self.training and len(x) > 2:
+            calls.append(1)
+            if len(calls) <= first:
+                time.sleep(seconds)
+        return forward(self, x)
+
+    monkeypatch.setattr(cls, "forward", slow)
+
+
+def test_every_variant_leaves_the_same_warm_up_out_of_its_speed(train_in_process, monkeypatch, tmp_path):
+    """A first step that takes 0.6 s longer (compilation, say) is the warm-up's, in acc_trainer's figures (read
+    from its log steps) and in the hand-written loops' (timed from the device's end of the warm-up), not the
+    steady speed's."""
+    import torch
+
+    from acc_trainer.config import make_config
+    from acc_trainer.tools import baselines, bench
+    from acc_trainer.workload.components import build_data, build_model
+    from acc_trainer.workload.models import LeNet
+
+    _slow_start(monkeypatch, LeNet, 0.6, 1)
+    run = train_in_process(model="lenet", train_size=512, eval_size=64, batch_size=32, max_steps=8, log_every=2)
+    ours = bench.logged_window(tmp_path / "run1", 2, 32)
+    logged = [json.loads(line) for line in (tmp_path / "run1" / "metrics.jsonl").read_text().splitlines()]
+    assert ours["warmup_s"] > 0.6 and ours["time_s"] < 0.6  # steps 3-8 only
+    assert ours["samples_per_s"] > 2 * run["samples_per_s"]  # the summary's counts the slow first step
+    assert ours["time_s"] == pytest.approx(sum(2 * r["step_time_s"] for r in logged if r.get("step", 0) > 2
+                                               and "loss" in r))
+
+    _slow_start(monkeypatch, LeNet, 0.6, 1)  # again, for the hand-written loop's model
+    cfg = make_config({"model": "lenet", "train_size": 512, "batch_size": 32})
+    data = build_data(cfg)
+    model = build_model(cfg, data)
+    batches = baselines.batches_on_device(data.train, cfg, torch.device("cpu"), 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    elapsed, data_time, warmup_s = baselines.time_steps(model, optimizer, batches, data.task, cfg,
+                                                        torch.device("cpu"), 8, 2)
+    assert warmup_s > 0.6 and elapsed < 0.6 and 0 <= data_time < elapsed
+
+
+def test_a_gpu_step_s_data_time_is_what_the_device_waited(monkeypatch):
+    """On CUDA the data time is read from events recorded where a step's work ends and the next begins (the host,
+    running ahead, may wait long for a batch while the device still computes): here the host waited 50 ms for each
+    batch, the device 1 and 3 ms; a pause (a log line, an evaluation) leaves its gap out."""
+    import torch
+
+    from acc_trainer.workload.measure import StepGaps
+
+    clock = iter([0.0, 0.010, 0.011, 0.020, 0.023, 0.5, 0.6, 0.601])  # device times (s) of successive events
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = next(clock)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, later):
+            return 1000 * (later.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    gaps = StepGaps(torch.device("cuda"))
+    for _ in range(3):  # began at 0.0, ended 0.010; began 0.011 (1 ms), ended 0.020; began 0.023 (3 ms), ended 0.5
+        gaps.began(0.05)
+        gaps.ended()
+    gaps.forget()  # a log step
+    gaps.began(0.05)  # 0.6: 100 ms after the pause began, not counted
+    gaps.ended()
+    assert gaps.read() == pytest.approx(0.004)
+    cpu = StepGaps(torch.device("cpu"))  # on a CPU the device is the host: its wait
+    cpu.began(0.05)
+    cpu.began(0.02)
+    assert cpu.read() == pytest.approx(0.07) and cpu.read() == 0

@@ -109,10 +109,19 @@ def test_bench_lm_measures_the_three_loops_and_prints_their_ratios(tmp_path):
     table = {}
     for line in result.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[1] == "1":
-            table[cells[0]] = (float(cells[2].replace(",", "")), cells[3], cells[4])
+        if len(cells) == 8 and cells[1] == "1":
+            table[cells[0]] = (float(cells[2].replace(",", "")), cells[5], cells[6], cells[3], float(cells[4]))
     assert set(table) == {"acc_trainer", "Hugging Face Trainer", "plain Accelerate loop"}
-    assert all(speed > 0 for speed, _, _ in table.values())
+    assert all(row[0] > 0 for row in table.values())
+    # MFU: acc_trainer's model FLOPs per sample x samples/s over this CPU's measured matrix-multiply rate, in every
+    # row; the warm-up step's seconds beyond a steady step, apart.
+    from acc_trainer.tools.lm_bench import TITLES
+
+    report = json.loads((out / "bench.json").read_text())
+    assert "measured fp32 matrix-multiply rate" in report["peak"] and report["peak_flops"] > 1e8
+    for row in report["rows"]:
+        assert row["mfu"] == pytest.approx(row["tokens_per_s"] / 63 * summary_flops(out) / report["peak_flops"])
+        assert table[TITLES[row["loop"]]][3] == f"{row['mfu']:.1%}" and row["warmup_s"] > 0
     # acc_trainer's tokens/s: its run's logged step times after the warm-up (steps 2 and 3), 8 blocks of 63
     # labelled next tokens a step.
     (run,) = (out / "runs").glob("acc_trainer-1p-*")
@@ -122,9 +131,14 @@ def test_bench_lm_measures_the_three_loops_and_prints_their_ratios(tmp_path):
     # Each ratio printed is acc_trainer's printed figure over that loop's (to the rounding of the figures), and
     # so is the one repeat's ratio, with itself as the median.
     for loop in ("Hugging Face Trainer", "plain Accelerate loop"):
-        speed, ratio, each = table[loop]
+        speed, ratio, each, _, _ = table[loop]
         assert float(ratio) == pytest.approx(table["acc_trainer"][0] / speed, abs=2e-3 + 1e-3 * float(ratio))
         assert each == f"{ratio} ({ratio})"
+
+
+def summary_flops(out) -> float:
+    (run,) = (out / "runs").glob("acc_trainer-1p-*")
+    return summary(run)["model_flops_per_sample"]
 
 
 def test_bench_lm_refuses_what_the_three_loops_cannot_do_alike():

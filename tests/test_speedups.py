@@ -115,3 +115,33 @@ def test_unwrapping_imports_deepspeed_only_once_something_has(accelerate_as_inst
     imported.__spec__ = importlib.machinery.ModuleSpec("deepspeed", None)
     monkeypatch.setitem(sys.modules, "deepspeed", imported)
     assert accelerate.utils.other.is_deepspeed_available() is own()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_the_built_in_optimizers_run_foreach_and_give_torchs_own_update(tmp_path, name):
+    """A built-in optimizer runs torch's foreach implementation: bit for bit the update of torch's own optimizer as a
+    user builds it (on a CPU torch's default is its loop over parameters); --fused-optimizer its fused kernel, the
+    same to rounding on one process."""
+    from safetensors.torch import load_file
+
+    import acc_trainer
+
+    def data():
+        g = torch.Generator().manual_seed(3)
+        return torch.utils.data.TensorDataset(torch.randn(128, 8, generator=g), torch.randint(0, 3, (128,), generator=g))
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+    job = dict(batch_size=32, max_steps=8, lr=0.01, weight_decay=0.01, progress="none", plots=False)
+    torch_own = {"sgd": lambda groups: torch.optim.SGD(groups, lr=0.01, momentum=0.9, weight_decay=0.01),
+                 "adam": lambda groups: torch.optim.Adam(groups, lr=0.01, weight_decay=0.01),
+                 "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.01, weight_decay=0.01)}[name]
+    runs = {}
+    for run, options in (("ours", {"optimizer": name}), ("fused", {"optimizer": name, "fused_optimizer": True}),
+                         ("torch", {"optimizer": torch_own})):
+        acc_trainer.fit(net(), data(), output_dir=str(tmp_path / run), **job, **options)
+        runs[run] = load_file(tmp_path / run / "model.safetensors")
+    assert all(torch.equal(runs["ours"][k], runs["torch"][k]) for k in runs["torch"])
+    assert max((runs["fused"][k] - runs["torch"][k]).abs().max().item() for k in runs["torch"]) < 1e-6

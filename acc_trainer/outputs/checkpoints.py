@@ -299,10 +299,12 @@ def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"checkpoint {state_file} is corrupt ({type(e).__name__}: {e})") from None
     defaults = TrainConfig().to_dict()  # a checkpoint written before an option existed had its default
+    # --micro-batch sets the accumulation (the checkpoint holds what it chose): the global batch is what must match.
+    may_change = MAY_CHANGE | ({"grad_accum"} if cfg.micro_batch is not None else set())
     mismatches = [
         f"{key} {saved.get(key, defaults[key])!r} (this run: {value!r})"
         for key, value in cfg.to_dict().items()
-        if key not in MAY_CHANGE and saved.get(key, defaults[key]) != value
+        if key not in may_change and saved.get(key, defaults[key]) != value
     ]
     if mismatches:
         raise ConfigError(f"checkpoint {path} is from a different run: {'; '.join(mismatches)}")

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "datasets, which must be installed); each also gets a data-only row, its loader alone "
                              "(default: batched)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default: 60)")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="first steps of every variant left out of its timing (start-up, compilation, the "
+                             "device's first kernels); their extra time over steady steps is reported apart; a "
+                             "multiple of --log-every (default: 10)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each variant; the median counts (default: 5)")
     parser.add_argument("--whole-process", action="store_true",
                         help="also time each variant as a user would, as whole processes at --steps and at twice as "
@@ -80,6 +84,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
         raise ConfigError(f"--pipelines takes {' and/or '.join(PIPELINES)}, not {','.join(args.pipelines)!r}")
     if args.steps <= 0 or args.repeats <= 0:
         raise ConfigError("--steps and --repeats must be positive")
+    if not 0 < args.warmup < args.steps or args.warmup % cfg.log_every or args.steps % cfg.log_every:
+        raise ConfigError(f"--warmup and --steps must be multiples of --log-every ({cfg.log_every}) with 0 < warmup < "
+                          f"steps (acc_trainer's speed is read from its log steps); got --warmup {args.warmup} "
+                          f"--steps {args.steps}")
     for n in args.processes:
         if cfg.batch_size % (n * cfg.grad_accum):
             raise ConfigError(f"--batch-size {cfg.batch_size} does not split over {n} processes x {cfg.grad_accum}")
@@ -226,8 +234,8 @@ def _options(cfg: TrainConfig) -> list[str]:
     return flags
 
 
-def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder: Path) -> dict:
-    """One launch of one variant; returns its measured speed."""
+def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder: Path, warmup: int = 0) -> dict:
+    """One launch of one variant; returns its measured speed over the steps after `warmup`."""
     python = [sys.executable]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if kind in PIPELINE:
@@ -246,16 +254,10 @@ def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder:
         wall = time.perf_counter() - started
         if result.returncode != 0:
             raise RuntimeError(f"acc_trainer on {processes} process(es) failed:\n{result.stderr[-3000:]}")
-        s = json.loads((run_dir / "summary.json").read_text())
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        train = [r for r in records if "loss" in r]
-        steps_logged = [r["step"] - p["step"] for p, r in zip([{"step": 0}] + train, train)]
-        data_s = sum(r["data_time_s"] * n for r, n in zip(train, steps_logged)) / s["steps"]
-        return {"samples_per_s": s["samples_per_s"], "time_s": s["train_time_s"],
-                "step_time_s": s["train_time_s"] / s["steps"], "data_time_s": data_s,
-                "peak_memory_mb": s["peak_memory_mb"], "wall_s": wall}
+        return {**logged_window(run_dir, warmup, cfg.batch_size), "wall_s": wall}
     config = json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None})
-    args = ["-m", "acc_trainer.tools.baselines", "--loop", kind, "--steps", str(steps), "--config", config]
+    args = ["-m", "acc_trainer.tools.baselines", "--loop", kind, "--steps", str(steps), "--warmup", str(warmup),
+            "--config", config]
     if kind == "raw-ddp":
         cmd = python + ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
                         str(_free_port()), *args]
@@ -268,23 +270,68 @@ def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder:
     if result.returncode != 0 or line is None:
         raise RuntimeError(f"baseline {kind} on {processes} process(es) failed:\n{result.stderr[-3000:]}")
     r = json.loads(line[len("BASELINE "):])
-    return {**{k: r[k] for k in ("samples_per_s", "time_s", "step_time_s", "data_time_s", "peak_memory_mb")},
-            "wall_s": wall}
+    return {**{k: r[k] for k in ("samples_per_s", "time_s", "step_time_s", "data_time_s", "warmup_s",
+                                 "peak_memory_mb")}, "wall_s": wall}
 
 
-def summarise(runs: dict[str, list[dict]], names: list[tuple[str, int]]) -> list[dict]:
-    """Median over repeats per variant, with speed-ups against each implementation's 1-process run."""
+def logged_window(run_dir: Path, warmup: int, batch_size: int) -> dict:
+    """An acc_trainer run's speed over the steps after `warmup`, from the intervals its metrics.jsonl logged (which
+    leave out the writing of the log lines, evaluation and checkpoints): samples/s, the seconds of the timed steps,
+    their step and data time (the device's wait, measure.StepGaps), the seconds the warm-up steps took, and the
+    run's model FLOPs per sample, peak memory and number of processes."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "step_time_s" in r]
+    steps = [r["step"] - p["step"] for p, r in zip([{"step": 0}] + train, train)]
+    timed = [(n, r) for r, n in zip(train, steps) if r["step"] > warmup]
+    done = sum(n for n, _ in timed)
+    elapsed = sum(r["step_time_s"] * n for n, r in timed)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"samples_per_s": done * batch_size / elapsed, "time_s": elapsed, "step_time_s": elapsed / done,
+            "data_time_s": sum(r["data_time_s"] * n for n, r in timed) / done,
+            "warmup_s": sum(r["step_time_s"] * n for r, n in zip(train, steps) if r["step"] <= warmup),
+            "flops_per_sample": summary.get("model_flops_per_sample") or 0, "world_size": summary["world_size"],
+            "peak_memory_mb": summary["peak_memory_mb"]}
+
+
+def peak_flops(cfg: TrainConfig) -> tuple[float | None, str]:
+    """The device's peak for MFU, and where it comes from: one GPU's data-sheet peak for the run's precision (times
+    the processes, one GPU each, where the rows use it), else this machine's measured matrix-multiply rate (all of
+    its cores, which the processes share)."""
+    import torch
+
+    from ..workload.measure import device_peak_flops, measured_matmul_flops, run_precision
+
+    gpu = torch.cuda.is_available() and not cfg.cpu
+    precision = run_precision(cfg.mixed_precision, cfg.tf32, "cuda" if gpu else "cpu")
+    if gpu:
+        peak = device_peak_flops(torch.device("cuda", 0), precision)
+        name = torch.cuda.get_device_name(0)
+        return peak, (f"{name}'s dense {precision} peak, {peak / 1e12:,.1f} TFLOP/s per GPU (data sheet)" if peak
+                      else f"no data-sheet peak known for {name}")
+    peak = measured_matmul_flops(precision)
+    return peak, (f"this CPU's measured {precision} matrix-multiply rate, {peak / 1e9:,.1f} GFLOP/s (all its cores, "
+                  "shared by the processes; a 1024 x 1024 product, best of 5)")
+
+
+def summarise(runs: dict[str, list[dict]], names: list[tuple[str, int]], warmup: int = 0,
+              peak: float | None = None, gpus: bool = False) -> list[dict]:
+    """Median over repeats per variant, with speed-ups against each implementation's 1-process run, the warm-up's
+    extra seconds over as many steady steps (compilation, with --compile), and MFU against `peak` (per GPU when
+    `gpus`, else the machine's)."""
     rows = []
+    flops = max((m.get("flops_per_sample", 0) for measured in runs.values() for m in measured), default=0)
     for kind, n in names:
         measured = runs[f"{kind}@{n}"]
         row = {"implementation": kind, "processes": n, "repeats": len(measured)}
-        for key in ("samples_per_s", "time_s", "step_time_s", "data_time_s"):
+        for key in ("samples_per_s", "time_s", "step_time_s", "data_time_s", "warmup_s"):
             row[key] = statistics.median(m[key] for m in measured)
         row["samples_per_s_all"] = [m["samples_per_s"] for m in measured]
         if "whole_samples_per_s" in measured[0]:
             row["whole_samples_per_s"] = statistics.median(m["whole_samples_per_s"] for m in measured)
         row["peak_memory_mb"] = max(m["peak_memory_mb"] for m in measured)
         row["compute_time_s"] = row["step_time_s"] - row["data_time_s"]
+        row["warmup_extra_s"] = row["warmup_s"] - warmup * row["step_time_s"]
+        row["mfu"] = flops * row["samples_per_s"] / (peak * (n if gpus else 1)) if flops and peak else None
         rows.append(row)
     by = {(r["implementation"], r["processes"]): r for r in rows}
     ceiling = by.get(("ceiling", 1))
@@ -304,15 +351,18 @@ def summarise(runs: dict[str, list[dict]], names: list[tuple[str, int]]) -> list
 
 
 def markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, pipelines: dict | None = None,
-             epoch: int = 0) -> str:
+             epoch: int = 0, peak_note: str = "") -> str:
+    warmup = getattr(args, "warmup", 0)
     lines = [
-        f"# acc_trainer bench: {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, {args.steps} steps",
+        f"# acc_trainer bench: {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, {args.steps} steps "
+        f"({warmup} of warm-up not timed)",
         "",
         f"Machine: {machine}. Median of {args.repeats} runs per variant, run in rotating order.",
         "",
         "| implementation | processes | train time (s) | epoch (s) | samples/s | vs hand-written | vs ceiling | speedup "
-        "| scaling efficiency | data ms/step | data share | compute ms/step | peak memory/process (MB) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| scaling efficiency | data ms/step | data share | compute ms/step | warm-up extra (s) | MFU "
+        "| peak memory/process (MB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
@@ -320,12 +370,18 @@ def markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, pipelines: 
             f"| {r['implementation']} | {r['processes']} | {r['time_s']:.3f} | {epoch * r['step_time_s']:.2f} | "
             f"{r['samples_per_s']:,.0f} | {fmt(r['vs_baseline'], '.3f')} | {fmt(r['vs_ceiling'], '.2f')} | "
             f"{fmt(r['speedup'], '.2f')} | {fmt(r['efficiency'], '.0%')} | {1000 * r['data_time_s']:.2f} | "
-            f"{r['data_share']:.1%} | {1000 * r['compute_time_s']:.2f} | {r['peak_memory_mb']:,.0f} |")
-    lines += ["", "vs hand-written: acc_trainer's samples/s over the raw single-process loop (1 process) or the "
+            f"{r['data_share']:.1%} | {1000 * r['compute_time_s']:.2f} | {fmt(r.get('warmup_extra_s'), '.2f')} | "
+            f"{fmt(r.get('mfu'), '.1%')} | {r['peak_memory_mb']:,.0f} |")
+    lines += ["", f"Every figure but the warm-up's is over the steps after the first {warmup} (the same for every "
+              "variant). vs hand-written: acc_trainer's samples/s over the raw single-process loop (1 process) or the "
               "raw torchrun + DistributedSampler loop (N processes). vs ceiling: over the model and optimizer "
-              "stepping on batches already on the device (no loader, logging or evaluation). Speedup and "
-              "efficiency: against the same implementation on 1 process. Epoch: step time x "
-              f"{epoch} steps of a {cfg.batch_size}-sample batch.", ""]
+              "stepping on batches already on the device (no loader, logging or evaluation; the trainer's allocator, "
+              "TF32, precision, memory format and optimizer). Speedup and efficiency: against the same implementation "
+              "on 1 process. Data ms/step: how long the device waited between steps (on a GPU from CUDA events, not "
+              f"the host's clock). Warm-up extra: the {warmup} warm-up steps' seconds beyond as many steady steps "
+              "(with --compile, the compilation). MFU: model FLOPs per sample (acc_trainer's count, the same model "
+              f"in every row) x samples/s over {peak_note or 'the peak'}. Epoch: step time x {epoch} steps of a "
+              f"{cfg.batch_size}-sample batch.", ""]
     if "whole_samples_per_s" in rows[0]:
         lines += [f"Whole process, as a user times it: each variant run at {args.steps} and at {2 * args.steps} steps, "
                   "samples/s from the difference of the two wall times (start-up, imports and the first "
@@ -379,14 +435,15 @@ def main(argv: list[str]) -> None:
         order = names[repeat % len(names):] + names[: repeat % len(names)]
         for kind, n in order:
             workload = streamed if kind == IMPLEMENTATION["stream"] else cfg
-            result = run_variant(kind, n, workload, args.steps, folder / "runs")
+            result = run_variant(kind, n, workload, args.steps, folder / "runs", args.warmup)
             if args.whole_process:  # the same variant at twice the steps: the difference is steps, not start-up
-                longer = run_variant(kind, n, workload, 2 * args.steps, folder / "runs")
+                longer = run_variant(kind, n, workload, 2 * args.steps, folder / "runs", args.warmup)
                 result["whole_samples_per_s"] = args.steps * cfg.batch_size / max(longer["wall_s"] - result["wall_s"],
                                                                                    1e-9)
             runs[f"{kind}@{n}"].append(result)
             console.print(f"  repeat {repeat + 1}/{args.repeats}  {kind:>11} x{n}: {result['samples_per_s']:>10,.0f} samples/s")
-    rows = summarise(runs, names)
+    peak, peak_note = peak_flops(cfg)
+    rows = summarise(runs, names, args.warmup, peak, gpus=torch.cuda.is_available() and not cfg.cpu)
     pipelines = {}
     if len(args.pipelines) > 1:  # the loaders alone, median of the repeats
         for pipeline in args.pipelines:
@@ -394,12 +451,14 @@ def main(argv: list[str]) -> None:
                                                                    args.steps) for _ in range(args.repeats))
             console.print(f"  data pipeline {pipeline:>10}: {pipelines[pipeline]:>10,.0f} samples/s")
     machine = machine_description()
-    report = {"workload": cfg.to_dict(), "steps": args.steps, "repeats": args.repeats, "machine": machine,
-              "rows": rows, "pipelines": pipelines, "runs": runs}
+    report = {"workload": cfg.to_dict(), "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+              "machine": machine, "peak_flops": peak, "peak": peak_note, "rows": rows, "pipelines": pipelines,
+              "runs": runs}
     (folder / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (folder / "bench.md").write_text(markdown(rows, cfg, args, machine, pipelines, per_epoch))
+    table = markdown(rows, cfg, args, machine, pipelines, per_epoch, peak_note)
+    (folder / "bench.md").write_text(table)
     from .figures import plot_bench
 
     figures = plot_bench(rows, folder, f"{cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}")
-    console.print(markdown(rows, cfg, args, machine, pipelines, per_epoch))
+    console.print(table)
     console.print(f"written: {folder / 'bench.json'}, {folder / 'bench.md'}, " + ", ".join(str(f) for f in figures))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig, load_yaml, make_config
 from ..flags import Parser, add_training_options
-from .bench import _free_port, _options, machine_description
+from .bench import _free_port, _options, logged_window, machine_description, peak_flops
 
 LOOPS = ("acc_trainer", "hf_trainer", "accelerate")
 TITLES = {"acc_trainer": "acc_trainer", "hf_trainer": "Hugging Face Trainer", "accelerate": "plain Accelerate loop"}
@@ -125,30 +125,21 @@ def run_loop(loop: str, processes: int, cfg: TrainConfig, args, folder: Path) ->
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("LM_BENCH ")), None)
     if result.returncode != 0 or (loop != "acc_trainer" and line is None):
         raise RuntimeError(f"{TITLES[loop]} on {processes} process(es) failed:\n{result.stderr[-3000:]}")
-    measured = acc_trainer_window(run_dir, args.warmup, cfg.batch_size) if loop == "acc_trainer" \
+    measured = logged_window(run_dir, args.warmup, cfg.batch_size) if loop == "acc_trainer" \
         else json.loads(line[len("LM_BENCH "):])
     if measured["world_size"] != processes:  # copies training alone would each do the whole batch
         raise RuntimeError(f"{TITLES[loop]} launched on {processes} processes ran as {measured['world_size']}")
     return {**measured, "wall_s": wall}
 
 
-def acc_trainer_window(run_dir: Path, warmup: int, batch_size: int) -> dict:
-    """acc_trainer's speed after the warm-up, from the intervals its metrics.jsonl logged."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "step_time_s" in r]
-    steps = [r["step"] - p["step"] for p, r in zip([{"step": 0}] + train, train)]
-    timed = [(n, r["step_time_s"] * n) for r, n in zip(train, steps) if r["step"] > warmup]
-    elapsed = sum(t for _, t in timed)
-    world = json.loads((run_dir / "summary.json").read_text())["world_size"]
-    return {"samples_per_s": sum(n for n, _ in timed) * batch_size / elapsed, "time_s": elapsed, "world_size": world}
-
-
 # ---------------------------------------------------------------------- the two other loops
 
 
 def _seconds_between(clock: dict, warmup: int, steps: int, batch_size: int) -> dict:
+    """Speed over the steps after the warm-up, and the warm-up's seconds (from the first step's start)."""
     elapsed = clock[steps] - clock[warmup]
-    return {"samples_per_s": (steps - warmup) * batch_size / elapsed, "time_s": elapsed}
+    return {"samples_per_s": (steps - warmup) * batch_size / elapsed, "time_s": elapsed,
+            "warmup_s": clock[warmup] - clock[0]}
 
 
 def hf_trainer(cfg: TrainConfig, steps: int, warmup: int, output_dir: str) -> dict:
@@ -166,10 +157,13 @@ def hf_trainer(cfg: TrainConfig, steps: int, warmup: int, output_dir: str) -> di
         lr_scheduler_type="constant", max_grad_norm=cfg.max_grad_norm or 0.0, logging_steps=cfg.log_every,
         save_strategy="no", eval_strategy="no", report_to="none", seed=cfg.seed, use_cpu=use_cpu,
         ddp_backend="gloo" if use_cpu and world > 1 else None, dataloader_num_workers=cfg.num_workers or 0,
-        bf16=cfg.mixed_precision == "bf16", fp16=cfg.mixed_precision == "fp16")
+        bf16=cfg.mixed_precision == "bf16", fp16=cfg.mixed_precision == "fp16", torch_compile=cfg.compile)
     clock = {}
 
     class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock[0] = time.perf_counter()
+
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step in (warmup, steps):
                 if torch.cuda.is_available() and not use_cpu:
@@ -185,9 +179,11 @@ def hf_trainer(cfg: TrainConfig, steps: int, warmup: int, output_dir: str) -> di
 
 def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     """A plain Accelerate loop, as Accelerate's `examples/complete_nlp_example.py` writes it (with clipping and
-    a loss line every --log-every steps)."""
+    a loss line every --log-every steps); with --compile, Accelerate's regional compilation, as its docs advise for
+    transformers models."""
     import torch
     from accelerate import Accelerator
+    from accelerate.utils import TorchDynamoPlugin
     from torch.utils.data import DataLoader
 
     from ..workload.components import build_data, build_model
@@ -195,7 +191,9 @@ def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     # cpu=True without a GPU, as Accelerate's CPU examples pass it: else processes started by `accelerate launch
     # --multi_gpu` on a CPU each train alone instead of forming a gloo group.
     accelerator = Accelerator(cpu=cfg.cpu or not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
-                              gradient_accumulation_steps=cfg.grad_accum)
+                              gradient_accumulation_steps=cfg.grad_accum,
+                              dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
+                              if cfg.compile else None)
     torch.manual_seed(cfg.seed)
     data = build_data(cfg)
     model = build_model(cfg, data)
@@ -204,7 +202,7 @@ def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     model.train()
-    step, clock = 0, {}
+    step, clock = 0, {0: time.perf_counter()}
     while step < steps:
         for batch in loader:
             with accelerator.accumulate(model):
@@ -231,16 +229,26 @@ def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
 # ---------------------------------------------------------------------- the command
 
 
-def summarise(runs: dict[str, list[dict]], tokens: int) -> list[dict]:
-    """One row per (loop, processes): median tokens/s; on the other loops' rows, acc_trainer's median over theirs
-    (`ratio`) and, repeat by repeat, acc_trainer's run over theirs (`ratios`: the runs of one repeat follow each
-    other, so a busy minute on a shared machine touches both alike) with their median."""
+def summarise(runs: dict[str, list[dict]], tokens: int, warmup: int = 0, steps: int = 1, peak: float | None = None,
+              gpus: bool = False) -> list[dict]:
+    """One row per (loop, processes): median tokens/s; the warm-up's seconds beyond as many steady steps (with
+    --compile, the compilation); MFU from acc_trainer's model FLOPs per sample (the same model in every loop) over
+    `peak` (per GPU when `gpus`); on the other loops' rows, acc_trainer's median over theirs (`ratio`) and, repeat by
+    repeat, acc_trainer's run over theirs (`ratios`: the runs of one repeat follow each other, so a busy minute on a
+    shared machine touches both alike) with their median."""
     rows = []
+    flops = max((m.get("flops_per_sample", 0) for measured in runs.values() for m in measured), default=0)
     for name, measured in runs.items():
         loop, n = name.split("@")
         speeds = [m["samples_per_s"] * tokens for m in measured]
-        rows.append({"loop": loop, "processes": int(n), "tokens_per_s": statistics.median(speeds),
-                     "tokens_per_s_all": speeds, "repeats": len(speeds), "ratio": None, "ratios": None})
+        step_s = statistics.median(m["time_s"] for m in measured) / (steps - warmup)
+        row = {"loop": loop, "processes": int(n), "tokens_per_s": statistics.median(speeds),
+               "tokens_per_s_all": speeds, "repeats": len(speeds), "ratio": None, "ratios": None,
+               "warmup_s": statistics.median(m["warmup_s"] for m in measured)}
+        row["warmup_extra_s"] = row["warmup_s"] - warmup * step_s
+        samples_per_s = statistics.median(m["samples_per_s"] for m in measured)
+        row["mfu"] = flops * samples_per_s / (peak * (int(n) if gpus else 1)) if flops and peak else None
+        rows.append(row)
     ours = {r["processes"]: r for r in rows if r["loop"] == "acc_trainer"}
     for r in rows:
         mine = ours.get(r["processes"])
@@ -251,21 +259,26 @@ def summarise(runs: dict[str, list[dict]], tokens: int) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], cfg: TrainConfig, args, tokens: int, machine: str) -> str:
+def markdown(rows: list[dict], cfg: TrainConfig, args, tokens: int, machine: str, peak_note: str = "") -> str:
     lines = [f"# bench-lm: {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size} x {tokens + 1} tokens, "
-             f"{args.steps} steps ({args.warmup} of warm-up not timed), precision {cfg.mixed_precision or 'no'}",
+             f"{args.steps} steps ({args.warmup} of warm-up not timed), precision {cfg.mixed_precision or 'no'}"
+             + (", compiled" if cfg.compile else ""),
              "", f"Machine: {machine}. Median of {args.repeats} runs per loop, in rotating order.", "",
-             "| loop | processes | tokens/s | acc_trainer vs it | each repeat (median) | runs (tokens/s) |",
-             "| --- | ---: | ---: | ---: | --- | --- |"]
+             "| loop | processes | tokens/s | MFU | warm-up extra (s) | acc_trainer vs it | each repeat (median) "
+             "| runs (tokens/s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         each = "-" if r["ratios"] is None else \
             f"{', '.join(f'{x:.3f}' for x in r['ratios'])} ({r['ratios_median']:.3f})"
-        lines.append(f"| {TITLES[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | {ratio} | {each} | "
-                     f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} |")
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        lines.append(f"| {TITLES[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | {mfu} | "
+                     f"{r['warmup_extra_s']:.2f} | {ratio} | {each} | {', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} |")
     lines += ["", "tokens/s: labelled next tokens per second over the timed steps (global, every process together). "
-              "acc_trainer vs it: acc_trainer's median over this loop's, on as many processes; each repeat: "
-              "acc_trainer's run over this loop's run of the same repeat.", ""]
+              f"MFU: model FLOPs per sample (acc_trainer's count) x samples/s over {peak_note or 'the peak'}. Warm-up "
+              f"extra: the {args.warmup} warm-up steps' seconds beyond as many steady steps (with --compile, the "
+              "compilation). acc_trainer vs it: acc_trainer's median over this loop's, on as many processes; each "
+              "repeat: acc_trainer's run over this loop's run of the same repeat.", ""]
     return "\n".join(lines)
 
 
@@ -288,12 +301,15 @@ def main(argv: list[str]) -> None:
             runs[f"{loop}@{n}"].append(result)
             console.print(f"  repeat {repeat + 1}/{args.repeats}  {loop:>11} x{n}: "
                           f"{result['samples_per_s'] * tokens:>10,.0f} tokens/s", markup=False)
-    rows = summarise(runs, tokens)
+    import torch
+
+    peak, peak_note = peak_flops(cfg)
+    rows = summarise(runs, tokens, args.warmup, args.steps, peak, gpus=torch.cuda.is_available() and not cfg.cpu)
     machine = machine_description()
-    table = markdown(rows, cfg, args, tokens, machine)
-    (folder / "bench.json").write_text(json.dumps({"workload": cfg.to_dict(), "steps": args.steps, "warmup": args.warmup,
-                                                   "tokens_per_sample": tokens, "machine": machine, "rows": rows,
-                                                   "runs": runs}, indent=2) + "\n")
+    table = markdown(rows, cfg, args, tokens, machine, peak_note)
+    report = {"workload": cfg.to_dict(), "steps": args.steps, "warmup": args.warmup, "tokens_per_sample": tokens,
+              "machine": machine, "peak_flops": peak, "peak": peak_note, "rows": rows, "runs": runs}
+    (folder / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (folder / "bench.md").write_text(table)
     console.print(table, markup=False)
     console.print(f"written: {folder / 'bench.json'}, {folder / 'bench.md'}", markup=False)

@@ -165,11 +165,12 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
     guarded, channels_last = r.job.data.kind.train.guarded, cfg.channels_last
     _training_mode(r)
     batches = _epoch_batches(r)
-    clock.batch_ready, watch = time.perf_counter(), r.watch
+    clock.paused()  # the epoch's start (after an evaluation) is not waiting for data
+    watch = r.watch
     watch.at("data")
     for batch in batches:
         watch.at("compute")
-        clock.data_wait += time.perf_counter() - clock.batch_ready
+        clock.batch_arrived()
         if guarded:  # (batch, indices of the samples that could not be read, else -1)
             batch, indices = batch
             state.unreadable_now += [i for i in indices if i >= 0]  # plain ints: no device sync
@@ -184,7 +185,7 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
             if accelerator.sync_gradients:
                 optimizer_step(r, guarded)
             optimizer.zero_grad()
-        clock.batch_ready = time.perf_counter()
+        clock.batch_done()
         if not accelerator.sync_gradients:
             watch.at("data")
             continue
@@ -209,7 +210,7 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
         if r.shape.checkpoint_steps and state.step % r.shape.checkpoint_steps == 0:
             save_checkpoint(r)
         stop_if_signalled(r, signals, check=state.step % cfg.log_every == 0)
-        clock.batch_ready = time.perf_counter()  # logging and checkpoints are not waiting for data
+        clock.paused()  # logging and checkpoints are not waiting for data
         watch.at("data")
     if r.streaming:
         _stream_ended(r)

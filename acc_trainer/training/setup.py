@@ -39,10 +39,11 @@ from ..outputs.runfiles import RunFiles, lock_run_folder, output_dir
 from ..workload.components import Workload
 from ..workload.first_batch import Checked, check_fit, first_samples
 from ..workload.losses import cross_entropy, model_loss
-from ..workload.measure import cpu_bf16_instructions, flops_per_sample
+from ..workload.measure import StepGaps, cpu_bf16_instructions, flops_per_sample
 from ..workload.metrics import Stateful, is_stateful
-from ..workload.models import sync_batchnorm
+from ..workload.models import compile_blocks, repeated_blocks, sync_batchnorm
 from ..workload.optim import build_optimizer, build_scheduler, param_groups
+from . import micro_batch
 from .state import Clock, IntervalLosses, RunState
 
 
@@ -190,13 +191,14 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     processes.warn_if_one_process_was_meant(group.state)
     processes.check_topology(cfg, group.state)
     world = group.state.num_processes
-    origin = _origin(cfg, job, group)
+    origin, given = _origin(cfg, job, group), cfg
     # Before the Accelerator: how DDP wraps the model depends on what the first samples show.
-    checked = _checked(cfg, job, group.engine, world)
+    cfg, checked, batch_notes = _shaped(cfg, job, group, origin)
     # DDP fails at the second step when a parameter gets no gradient, unless it looks for such parameters
     # after every backward pass (a cost): asked for only when the first samples leave some unused.
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and world > 1 else []
-    accelerator = accelerator_for(cfg, group, origin.folder, ddp)
+    regional = cfg.compile and group.engine == "DDP" and bool(repeated_blocks(job.model))
+    accelerator = accelerator_for(cfg, group, origin.folder, ddp, compile_whole=not regional)
     model, scoring, augment = _pieces(cfg, job, accelerator, group.engine, origin, checked)
     if cfg.gradient_checkpointing:
         _gradient_checkpointing(model)
@@ -208,17 +210,17 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     # Compared (and made equal, with a note) before `prepare`, whose DDP wrapper would silently copy
     # rank 0's weights over a seeding mistake.
     notes = processes.same_initial_weights(accelerator, model) + _notes(checked, model, world, group.engine)
-    notes += _device_notes(accelerator)
+    notes += _device_notes(accelerator) + batch_notes
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     _freeze(cfg, model, tuning)  # before the groups and prepare
-    notes += tuning.notes
+    notes += tuning.notes + ([f"--compile: {compile_blocks(model)} repeated blocks compiled in place"] if regional else [])
     frozen = adapters.frozen_digest(model) if group.engine == "DDP" else None
     if origin.resumed and origin.resumed.get("frozen"):
         adapters.check_frozen(origin.resume, origin.resumed["frozen"], model)
-    optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed)
+    optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed, group.engine)
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
                                               accelerator.process_index, processes.summing(accelerator), job.dataset_name)
     input_dtype = engines.prepare_deepspeed(accelerator, cfg.batch_size // (world * cfg.grad_accum))
@@ -234,12 +236,22 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     shape.start_step = state.step
     notes += _start_notes(cfg, origin, world, job.data.notes)
     job.data.heads.clear()  # the first samples read for the checks at start (up to a global batch) are not kept
-    output = _output(cfg, accelerator, origin, state, shape, job.unnamed)
+    output = _output(given, accelerator, origin, state, shape, job.unnamed)  # config.yaml: the options as given
     with _released_on_failure(output.files):
         r = Run(cfg, job, accelerator, group.engine, trained, scoring, Loaders(train_loader, eval_loader, augment), shape,
-                output, state, Clock(logged_step=state.step), notes, started)
+                output, state, Clock(StepGaps(accelerator.device), logged_step=state.step), notes, started)
         _announce(r)
     return r
+
+
+def _shaped(cfg: TrainConfig, job: Workload, group: Group, origin: _Origin) -> tuple[TrainConfig, Checked, list[str]]:
+    """The first-sample check on a process's micro-batch, once --micro-batch has set the accumulation (it tries sizes
+    after the samples are known to fit the model: a misfit is one line, not an out-of-memory search); with what the
+    start line says of the micro-batch. --compile on a model of repeated blocks: in place (models.compile_blocks)."""
+    world = group.state.num_processes
+    checked = _checked(cfg, job, group.engine, world)
+    cfg, said = micro_batch.settle(cfg, job, group, origin.resumed)
+    return cfg, (_checked(cfg, job, group.engine, world) if said else checked), said
 
 
 def _checked(cfg: TrainConfig, job: Workload, engine: str, world: int) -> Checked:
@@ -295,7 +307,8 @@ def _start_notes(cfg: TrainConfig, origin: _Origin, world: int, data_notes: list
     return notes
 
 
-def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, ddp: list | None = None) -> Accelerator:
+def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, ddp: list | None = None,
+                    compile_whole: bool = True) -> Accelerator:
     """The Accelerator of a run, or of `evaluate`/`predict` (no folder: no trackers, no compilation): the
     precision, the loaders' configuration, the process group's timeout, and the engine set up (engines.py)."""
     training = folder is not None
@@ -304,7 +317,7 @@ def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, 
     accelerator = Accelerator(
         cpu=group.cpu,
         mixed_precision=cfg.mixed_precision,  # None: the accelerate config's choice, else "no"
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor") if cfg.compile and training else None,
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor") if cfg.compile and compile_whole and training else None,
         gradient_accumulation_steps=cfg.grad_accum if training else 1,
         log_with=trackers.build(cfg, folder) or None if training else None,  # not started yet (trackers.start)
         project_config=ProjectConfiguration(project_dir=str(folder), logging_dir=str(folder / "logs"))
@@ -427,7 +440,7 @@ def _notes(checked: Checked, model, world: int, engine: str) -> list[str]:
     return notes
 
 
-def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = None) -> tuple:
+def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = None, engine: str = "DDP") -> tuple:
     """The optimizer, the LR schedule over the run's optimizer steps (--max-steps wins over --epochs) and the
     run's shape. A stream that does not say its length has it learnt in its first epoch (kept in
     checkpoints): until then the run's length is unknown, which a schedule over the run's length cannot
@@ -443,7 +456,8 @@ def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = No
                           "does not say how many samples it has (no __len__), so its epochs' length is not known in "
                           "advance: use --scheduler cosine or onecycle with --max-steps, or give the stream a __len__")
     lr = cfg.lr * cfg.batch_size / cfg.lr_reference_batch if cfg.scale_lr else cfg.lr
-    optimizer = build_optimizer(cfg, param_groups(cfg, model, lr), lr, job.optimizer)
+    optimizer = build_optimizer(cfg, param_groups(cfg, model, lr), lr, job.optimizer,
+                                fused=cfg.fused_optimizer and engine == "DDP")
     scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch, job.scheduler)
     epochs = math.ceil(total_steps / per_epoch) if per_epoch else None if cfg.max_steps else cfg.epochs
     return optimizer, scheduler, Shape(total_steps, per_epoch, epochs, cfg.checkpoint_steps, 0)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from accelerate import Accelerator
 
+from ..workload.measure import StepGaps
+
 
 @dataclass
 class Interval:
@@ -204,21 +206,35 @@ class RunState:
 
 @dataclass
 class Clock:
-    """Training time, and how much of it was spent waiting for data; evaluation, logging and checkpoints
-    are not counted. `interval` reads the time since the last log step; `restart` begins the next one."""
+    """Training time, and how much of it the device spent waiting for data (measure.StepGaps); evaluation, logging
+    and checkpoints are not counted. `interval` reads the time since the last log step; `restart` begins the next."""
 
+    gaps: StepGaps
     logged_step: int = 0
     train_time: float = 0.0  # over the logged intervals
     data_time: float = 0.0
-    data_wait: float = 0.0  # in the current interval
     interval_start: float = field(default_factory=time.perf_counter)
     batch_ready: float = field(default_factory=time.perf_counter)
 
+    def batch_arrived(self) -> None:
+        """A micro-batch is on the device: its wait is data time (the device's own, on a GPU)."""
+        self.gaps.began(time.perf_counter() - self.batch_ready)
+
+    def batch_done(self) -> None:
+        """The micro-batch's work is queued; the loop now asks for the next batch."""
+        self.gaps.ended()
+        self.batch_ready = time.perf_counter()
+
+    def paused(self) -> None:
+        """After a pause in training (a log line, a checkpoint): not data time."""
+        self.gaps.forget()
+        self.batch_ready = time.perf_counter()
+
     def interval(self, step: int) -> tuple[float, int, float]:
         """(seconds, steps, seconds waiting for data) since the last log step, counted into the totals."""
-        elapsed, steps, waited = time.perf_counter() - self.interval_start, step - self.logged_step, self.data_wait
+        elapsed, steps, waited = time.perf_counter() - self.interval_start, step - self.logged_step, self.gaps.read()
         self.train_time, self.data_time = self.train_time + elapsed, self.data_time + waited
-        self.logged_step, self.data_wait = step, 0.0
+        self.logged_step = step
         return elapsed, steps, waited
 
     def restart(self) -> None:
@@ -228,3 +244,4 @@ class Clock:
     def exclude(self, since: float) -> None:
         """Time since `since` (an evaluation, say) is not training time."""
         self.interval_start += time.perf_counter() - since
+        self.gaps.forget()

@@ -21,7 +21,7 @@ from ..outputs import trackers
 from ..outputs.checkpoints import WRITE_ERRORS, write_failure, write_sums
 from ..outputs.progress import summary_table
 from ..stopping import TrainingStopped
-from ..workload.measure import device_peak_flops, library_versions, peak_memory_mb
+from ..workload.measure import device_peak_flops, library_versions, peak_memory_mb, run_precision
 from ..workload.metrics import best_evaluation, ranked_by
 from .evaluation import format_results
 from .setup import Run
@@ -188,7 +188,8 @@ def _speed(r: Run) -> dict:
     """Where the run resumed from, how long it took, and how fast it trained (samples, FLOPs, memory)."""
     cfg, clock, trained = r.cfg, r.clock, r.trained
     samples_per_s = (r.state.step - r.shape.start_step) * cfg.batch_size / clock.train_time if clock.train_time else None
-    peak = device_peak_flops(r.accelerator.device)
+    peak = device_peak_flops(r.accelerator.device, run_precision(r.accelerator.mixed_precision, cfg.tf32,
+                                                                   r.accelerator.device.type))
     flops_per_s = trained.flops * samples_per_s if samples_per_s and trained.flops else None
     return {
         "resumed_from": str(r.output.resume) if r.output.resume else None,
@@ -198,7 +199,7 @@ def _speed(r: Run) -> dict:
         "samples_per_s": samples_per_s,
         "model_flops_per_sample": trained.flops,
         "flops_per_s": flops_per_s,
-        # against the bf16 peak of one device, as nanoGPT reports MFU
+        # against the dense peak of the devices for the precision the run's matrix multiplies take
         "mfu": flops_per_s / (peak * r.world) if flops_per_s and peak else None,
         "peak_memory_mb": peak_memory_mb(r.accelerator.device),
     }

@@ -35,25 +35,31 @@ from ..data.datasets import IGNORE_INDEX
 def forward(model, batch) -> tuple[Any, Any]:
     """The model's outputs for `batch`, and the batch's targets (None for a dict without labels)."""
     if isinstance(batch, Mapping):
-        return model(**batch, **packed_options(model, batch)), batch.get("labels")
+        return model(**batch, **no_cache(model, batch)), batch.get("labels")
     inputs, targets = batch
     if isinstance(inputs, (tuple, list)):
         return model(*inputs), targets
     return model(inputs), targets
 
 
-def packed_options(model, batch: Mapping) -> dict:
-    """`use_cache=False` for a packed batch (position_ids, no attention_mask: packing.py) to a transformers model
-    whose config keeps a cache: the model then builds an empty cache even in training, and with a cache
-    transformers (5.x, masking_utils._preprocess_mask_arguments) ignores where the position ids restart, so the
-    packed documents would attend to each other."""
-    if "position_ids" not in batch or "attention_mask" in batch or "use_cache" in batch:
+def no_cache(model, batch: Mapping) -> dict:
+    """`use_cache=False` where a transformers model's config keeps a cache that the forward has no use for (training
+    and evaluation; generation does not come through here): to a model that generates (a causal LM, whose forward
+    takes the option) and for a packed batch (position_ids, no attention_mask: packing.py). Such a model otherwise
+    builds an empty cache in every forward, and
+    - with a cache, transformers (5.x, masking_utils._preprocess_mask_arguments) ignores where a packed batch's
+      position ids restart, so its documents would attend to each other;
+    - blocks compiled in place (--compile, models.compile_blocks) are traced against their layer's entry of the cache,
+      so each layer compiles again (a 12-layer Llama: 8 compilations, torch's limit, then the rest eager)."""
+    if "use_cache" in batch:
         return {}
     for _ in range(3):  # through DDP's, DeepSpeed's and torch.compile's wrappers to the model's config
         if getattr(model, "config", None) is not None or not isinstance(getattr(model, "module", None), torch.nn.Module):
             break
         model = model.module
-    return {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", False) is True else {}
+    keeps = getattr(getattr(model, "config", None), "use_cache", False) is True
+    packed = "position_ids" in batch and "attention_mask" not in batch
+    return {"use_cache": False} if keeps and (packed or hasattr(model, "generate")) else {}
 
 
 def with_targets(model, batch) -> tuple[Any, Any]:

@@ -1,5 +1,6 @@
-"""Small measurements of a run: FLOPs per sample and the device's peak (for MFU), weight fingerprints
-(equal weights, equal prints), peak memory and the versions of the libraries that ran."""
+"""Small measurements of a run: FLOPs per sample and the device's peak (for MFU: a data sheet's, or a CPU's
+measured matrix-multiply rate), the device's wait between steps, weight fingerprints (equal weights, equal prints),
+peak memory and the versions of the libraries that ran."""
 
 from __future__ import annotations
 
@@ -123,15 +124,98 @@ ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu: _attention,
                               _aten._scaled_dot_product_cudnn_attention_backward], _attention_backward)}
 
 
-# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, for model FLOPs utilisation.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
+# Dense peaks (FLOP/s) from the vendors' data sheets, by the precision the matrix multiplies run in: "bf16" (also
+# fp16), "tf32" (float32 on tensor cores, --tf32) and "fp32" (float32 without). SXM parts; a PCIe H100 is slower.
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "H100": {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "A100": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
+    "L4": {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
+    "A10": {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12},
+}
 
 
-def device_peak_flops(device: torch.device) -> float | None:
+def device_peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
+    """One GPU's dense peak for `precision` (bf16, fp16, tf32 or fp32), from PEAK_FLOPS; None for a device it does
+    not list (and on a CPU: measured_matmul_flops measures one)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+    peaks = next((peaks for key, peaks in PEAK_FLOPS.items() if key in name), None)
+    return peaks and peaks["bf16" if precision == "fp16" else precision]
+
+
+def run_precision(mixed_precision: str | None, tf32: bool, device_type: str = "cuda") -> str:
+    """The precision a run's matrix multiplies take: bf16/fp16 under mixed precision, else tf32 (--tf32 on a GPU)
+    or fp32."""
+    if mixed_precision in ("bf16", "fp16"):
+        return mixed_precision
+    return "tf32" if tf32 and device_type == "cuda" else "fp32"
+
+
+def measured_matmul_flops(precision: str = "fp32", size: int = 1024, repeats: int = 5) -> float:
+    """This CPU's matrix-multiply rate (FLOP/s, all of torch's threads), the best of `repeats` products of two
+    size x size matrices in `precision` (bf16, else float32): the CPU's peak for MFU, where no data sheet applies."""
+    import time
+
+    dtype = torch.bfloat16 if precision in ("bf16", "fp16") else torch.float32
+    a, b = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(dtype), \
+        torch.randn(size, size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    torch.mm(a, b)  # the first call sets up the kernel
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+class StepGaps:
+    """How long the device waited between training steps: the data time of a step, as the device saw it.
+
+    On a GPU the host runs ahead of the device, so the host's wait for a batch says little of what the GPU did: a
+    CUDA event is recorded where a step's work is queued to end (`ended`) and where the next one's begins (`began`,
+    once its batch is on the device), and the time between them on the device is that step's data time, read back
+    when the device is waited for anyway (the log step). No synchronisation in the steps. Elsewhere the device is the
+    host: its wait for the batch, as `began` is given it. `forget` drops the gap across a pause (an evaluation, a
+    log line, a checkpoint): the step after one counts no data time on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.last_end = None
+        self.pairs: list = []  # (end event, begin event) not yet read
+        self.host_wait = 0.0
+
+    def began(self, host_wait: float) -> None:
+        if not self.cuda:
+            self.host_wait += host_wait
+            return
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        if self.last_end is not None:
+            self.pairs.append((self.last_end, begin))
+        self.last_end = None
+
+    def ended(self) -> None:
+        if self.cuda:
+            self.last_end = torch.cuda.Event(enable_timing=True)
+            self.last_end.record()
+
+    def forget(self) -> None:
+        self.last_end = None
+
+    def read(self) -> float:
+        """Seconds of data time since the last read."""
+        if not self.cuda:
+            waited, self.host_wait = self.host_wait, 0.0
+            return waited
+        if not self.pairs:
+            return 0.0
+        self.pairs[-1][1].synchronize()
+        waited = sum(end.elapsed_time(begin) for end, begin in self.pairs) / 1000
+        self.pairs.clear()
+        return waited
 
 
 def peak_memory_mb(device: torch.device | None = None) -> float:
