@@ -220,6 +220,20 @@ def test_a_gpu_step_s_data_time_is_what_the_device_waited(monkeypatch):
     gaps.began(0.05)  # 0.6: 100 ms after the pause began, not counted
     gaps.ended()
     assert gaps.read() == pytest.approx(0.004)
+    # The trainer's clock: a step's bookkeeping is no pause (its gap counts), a log step is.
+    from acc_trainer.training.state import Clock
+
+    clock = iter([0.0, 0.010, 0.012, 0.020, 0.5, 0.6])
+    trainer = Clock(StepGaps(torch.device("cuda")))
+    trainer.batch_arrived()  # 0.0
+    trainer.batch_done()  # 0.010
+    trainer.paused()  # an optimizer step's end
+    trainer.batch_arrived()  # 0.012: 2 ms
+    trainer.batch_done()  # 0.020
+    trainer.restart()  # a log line
+    trainer.batch_arrived()  # 0.5, not counted
+    trainer.batch_done()  # 0.6
+    assert trainer.gaps.read() == pytest.approx(0.002)
     cpu = StepGaps(torch.device("cpu"))  # on a CPU the device is the host: its wait
     cpu.began(0.05)
     cpu.began(0.02)

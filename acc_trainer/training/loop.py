@@ -165,7 +165,7 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
     guarded, channels_last = r.job.data.kind.train.guarded, cfg.channels_last
     _training_mode(r)
     batches = _epoch_batches(r)
-    clock.paused()  # the epoch's start (after an evaluation) is not waiting for data
+    clock.paused(forget=True)  # the epoch's start (after an evaluation) is not waiting for data
     watch = r.watch
     watch.at("data")
     for batch in batches:
@@ -209,8 +209,9 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
                 return
         if r.shape.checkpoint_steps and state.step % r.shape.checkpoint_steps == 0:
             save_checkpoint(r)
+            clock.gaps.forget()
         stop_if_signalled(r, signals, check=state.step % cfg.log_every == 0)
-        clock.paused()  # logging and checkpoints are not waiting for data
+        clock.paused()  # logging and checkpoints are not the host's wait for data (Clock forgets the device's gap)
         watch.at("data")
     if r.streaming:
         _stream_ended(r)

@@ -61,7 +61,15 @@ def _said(size: int, share: int, how: str) -> str:
 def largest_fitting(cfg: TrainConfig, job: Workload, group: Group, share: int) -> tuple[int, list[str]]:
     """The largest micro-batch (a divisor of `share`) whose training step fits on every process, and what was tried."""
     device = group.state.device
-    job.model.to(device)  # where prepare would put it
+    home = next(job.model.parameters()).device
+    job.model.to(device)  # where prepare will put it; back afterwards (the first-sample check runs where it was)
+    try:
+        return _largest(cfg, job, group, share, device)
+    finally:
+        job.model.to(home)
+
+
+def _largest(cfg: TrainConfig, job: Workload, group: Group, share: int, device: torch.device) -> tuple[int, list[str]]:
     size, tried = share, []
     while True:
         batch = send_to_device(first_samples(job.data.train, job.data.kind.train, size, job.collate, job.data.heads),

@@ -247,7 +247,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
 def _shaped(cfg: TrainConfig, job: Workload, group: Group, origin: _Origin) -> tuple[TrainConfig, Checked, list[str]]:
     """The first-sample check on a process's micro-batch, once --micro-batch has set the accumulation (it tries sizes
     after the samples are known to fit the model: a misfit is one line, not an out-of-memory search); with what the
-    start line says of the micro-batch. --compile on a model of repeated blocks: in place (models.compile_blocks)."""
+    start line says of the micro-batch."""
     world = group.state.num_processes
     checked = _checked(cfg, job, group.engine, world)
     cfg, said = micro_batch.settle(cfg, job, group, origin.resumed)

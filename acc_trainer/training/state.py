@@ -225,9 +225,11 @@ class Clock:
         self.gaps.ended()
         self.batch_ready = time.perf_counter()
 
-    def paused(self) -> None:
-        """After a pause in training (a log line, a checkpoint): not data time."""
-        self.gaps.forget()
+    def paused(self, forget: bool = False) -> None:
+        """The host's wait for the next batch starts now (after the step's bookkeeping); `forget`: after a pause of
+        the device's work too (a checkpoint, an epoch's end), whose gap is not data time."""
+        if forget:
+            self.gaps.forget()
         self.batch_ready = time.perf_counter()
 
     def interval(self, step: int) -> tuple[float, int, float]:
@@ -240,6 +242,7 @@ class Clock:
     def restart(self) -> None:
         """The next interval starts now (after the logging, which is not training time)."""
         self.interval_start = time.perf_counter()
+        self.gaps.forget()
 
     def exclude(self, since: float) -> None:
         """Time since `since` (an evaluation, say) is not training time."""

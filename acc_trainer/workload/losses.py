@@ -59,7 +59,18 @@ def no_cache(model, batch: Mapping) -> dict:
         model = model.module
     keeps = getattr(getattr(model, "config", None), "use_cache", False) is True
     packed = "position_ids" in batch and "attention_mask" not in batch
-    return {"use_cache": False} if keeps and (packed or hasattr(model, "generate")) else {}
+    return {"use_cache": False} if keeps and (packed or hasattr(model, "generate") and _takes_use_cache(model)) else {}
+
+
+def _takes_use_cache(model) -> bool:
+    """Whether the model's forward takes `use_cache` (by name or through **kwargs): a model of one's own may not."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "use_cache" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def with_targets(model, batch) -> tuple[Any, Any]:

@@ -125,7 +125,8 @@ ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu: _attention,
 
 
 # Dense peaks (FLOP/s) from the vendors' data sheets, by the precision the matrix multiplies run in: "bf16" (also
-# fp16), "tf32" (float32 on tensor cores, --tf32) and "fp32" (float32 without). SXM parts; a PCIe H100 is slower.
+# fp16), "tf32" (float32 on tensor cores, --tf32) and "fp32" (float32 without). SXM parts, matched as
+# whole words ("L4" is not "L40S"); a PCIe or NVL part, slower, gets no peak.
 PEAK_FLOPS = {
     "H200": {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12},
     "H100": {"bf16": 989e12, "tf32": 494.7e12, "fp32": 66.9e12},
@@ -141,8 +142,12 @@ def device_peak_flops(device: torch.device, precision: str = "bf16") -> float | 
     not list (and on a CPU: measured_matmul_flops measures one)."""
     if device.type != "cuda":
         return None
+    import re
+
     name = torch.cuda.get_device_name(device)
-    peaks = next((peaks for key, peaks in PEAK_FLOPS.items() if key in name), None)
+    if re.search(r"\b(PCIe|NVL)\b", name):  # an H100 PCIe or NVL: other peaks than the SXM part's listed here
+        return None
+    peaks = next((peaks for key, peaks in PEAK_FLOPS.items() if re.search(rf"\b{key}\b", name)), None)
     return peaks and peaks["bf16" if precision == "fp16" else precision]
 
 

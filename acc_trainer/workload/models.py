@@ -185,13 +185,20 @@ def sync_batchnorm(model: nn.Module, device_type: str) -> nn.Module:
 
 def repeated_blocks(model: nn.Module) -> list[nn.ModuleList]:
     """The model's lists of repeated blocks (a ModuleList of two or more modules of one class: a transformers
-    model's layers), outermost first; none inside another's blocks."""
+    model's layers), outermost first, none inside another's blocks; none unless they hold most of the model's
+    parameters (a detector's few lists of FPN convolutions beside its backbone are compiled with the whole model)."""
+    found = _lists_of_blocks(model)
+    inside = sum(p.numel() for blocks in found for p in blocks.parameters())
+    return found if inside * 2 > sum(p.numel() for p in model.parameters()) else []
+
+
+def _lists_of_blocks(model: nn.Module) -> list[nn.ModuleList]:
     found = []
     for child in model.children():
         if isinstance(child, nn.ModuleList) and len(child) > 1 and all(type(m) is type(child[0]) for m in child):
             found.append(child)
         else:
-            found += repeated_blocks(child)
+            found += _lists_of_blocks(child)
     return found
 
 
