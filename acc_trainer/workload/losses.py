@@ -21,6 +21,8 @@ itself, `outputs["logits"]` (or `.logits`), or the first element of a tuple.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,15 +61,16 @@ def no_cache(model, batch: Mapping) -> dict:
         model = model.module
     keeps = getattr(getattr(model, "config", None), "use_cache", False) is True
     packed = "position_ids" in batch and "attention_mask" not in batch
-    return {"use_cache": False} if keeps and (packed or hasattr(model, "generate") and _takes_use_cache(model)) else {}
+    return {"use_cache": False} if keeps and (packed or hasattr(model, "generate") and _takes_use_cache(type(model))) \
+        else {}
 
 
-def _takes_use_cache(model) -> bool:
-    """Whether the model's forward takes `use_cache` (by name or through **kwargs): a model of one's own may not."""
-    import inspect
-
+@functools.lru_cache(maxsize=None)
+def _takes_use_cache(cls: type) -> bool:
+    """Whether the class's forward takes `use_cache` (by name or through **kwargs): a model of one's own may not.
+    Asked at every step, answered once per class (inspect.signature takes tens of microseconds)."""
     try:
-        parameters = inspect.signature(model.forward).parameters.values()
+        parameters = inspect.signature(cls.forward).parameters.values()
     except (TypeError, ValueError):
         return False
     return any(p.name == "use_cache" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
