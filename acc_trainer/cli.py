@@ -8,6 +8,7 @@ language model, against the Hugging Face Trainer and a plain Accelerate loop).
 `acc-trainer rerun RUN_DIR` trains a run again from its config.yaml (reruns.py).
 `acc-trainer sweep SPACE.yaml` searches options with Optuna, each trial a run in its own process (tools/sweep.py).
 `acc-trainer lr-find [options]` runs the learning-rate range test and suggests a learning rate (tools/lr_find.py).
+`acc-trainer consolidate CHECKPOINT OUT` writes any engine's checkpoint as whole weights (trained/consolidating.py).
 The flags are built from `TrainConfig` (flags.py); the sub-commands live in the tools sub-package,
 imported only when named. A user mistake prints one line on stderr and exits with code 2.
 """
@@ -22,7 +23,7 @@ from .config import ConfigError, did_you_mean, first_line
 from .flags import parse_config
 
 COMMANDS = ("launch", "report", "bench", "bench-lm", "check", "check-data", "evaluate", "predict", "export", "rerun", "sweep",
-            "lr-find")
+            "lr-find", "consolidate")
 
 
 def check_data(argv: list[str]) -> None:
@@ -57,7 +58,7 @@ def check_data(argv: list[str]) -> None:
 
 
 SUBCOMMANDS = ("report", "launch", "check-data", "evaluate", "predict", "check", "bench", "bench-lm", "export", "sweep",
-               "lr-find")
+               "lr-find", "consolidate")
 
 
 def sub_command(name: str):
@@ -96,6 +97,10 @@ def sub_command(name: str):
         from .tools.lr_find import main as lr_find
 
         return lr_find
+    if name == "consolidate":
+        from .trained.consolidating import main as consolidate
+
+        return consolidate
     from .tools.lm_bench import main as bench_lm  # acc_trainer against the Hugging Face Trainer on a language model
 
     return bench_lm

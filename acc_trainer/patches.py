@@ -12,7 +12,8 @@ off. A test (tests/test_patches.py) fails when a symbol a patch relies on moves 
 - a block of code (context managers, the previous state restored): a torchmetrics object's own
   synchronisation while acc_trainer computes it (`unsynced`), torch's worker info while acc_trainer's
   reader worker runs a stream (`worker_info_hidden`), Accelerate's note on tied weights while acc_trainer saves
-  (`shared_tensors_unsaid`);
+  (`shared_tensors_unsaid`), the frozen parameters of a partly frozen model under FSDP left out of its
+  checkpoints (`sharded_trainable_only`);
 - the run's own Accelerate state: FSDP on CPU processes (`fsdp_on_cpu`, docs/scaling.md);
 - glibc's allocator, from the command line only (`keep_freed_memory`).
 """
@@ -224,6 +225,41 @@ def shared_tensors_unsaid():
         yield
     finally:
         logger.removeFilter(unsaid)
+
+
+@contextlib.contextmanager
+def sharded_trainable_only(active: bool = True):
+    """Within the block, Accelerate's FSDP2 checkpoint of a model saves and loads the parameters that train (and the
+    buffers), not the frozen ones: a LoRA or --freeze checkpoint under FSDP then holds the adapter and its optimizer
+    state as under DDP, not the whole base model again. Accelerate 1.15 has no such option for `save_state` (its
+    `adapter_only` is peft's alone and not passed on); torch's state-dict options have one, `ignore_frozen_params`,
+    which this adds to the options Accelerate's FSDP save and load build (`_prepare_sd_options`), with `strict=False`
+    for the load (the frozen tensors are the ones the run built). torch 2.14 drops a frozen parameter under its first
+    name only: a tied one's other name (a causal LM's output layer, tied to its frozen embedding) is dropped here too
+    (`_get_model_state_dict`). Only on the tested Accelerate; elsewhere (or `active` False) the checkpoint holds the
+    whole model, which resumes as well."""
+    import dataclasses
+
+    from accelerate.utils import fsdp_utils
+
+    if not (active and tested("accelerate")):
+        yield
+        return
+    own_options, own_state = fsdp_utils._prepare_sd_options, fsdp_utils._get_model_state_dict
+
+    def options(plugin):
+        found = own_options(plugin)
+        return found and dataclasses.replace(found, ignore_frozen_params=True, strict=False)
+
+    def state(model, adapter_only=False, sd_options=None):
+        frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v for k, v in own_state(model, adapter_only, sd_options).items() if k not in frozen}
+
+    fsdp_utils._prepare_sd_options, fsdp_utils._get_model_state_dict = options, state
+    try:
+        yield
+    finally:
+        fsdp_utils._prepare_sd_options, fsdp_utils._get_model_state_dict = own_options, own_state
 
 
 class _Unsaid(logging.Filter):

@@ -29,7 +29,9 @@ class TrainingStopped(Exception):
 class StopSignals:
     """Turns the first SIGTERM / SIGINT into a request to stop after the current step.
 
-    A second signal gets the previous handler (so a second Ctrl-C interrupts at once).
+    A SIGTERM that comes again is the same request (a scheduler signals every process, and the launcher passes
+    its own on: the second must not kill a process before its checkpoint); after any of them a Ctrl-C gets the
+    previous handler (so a second Ctrl-C interrupts at once).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -49,9 +51,8 @@ class StopSignals:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signum
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        self.received = self.received or signum
+        signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
 
     def agreed(self, check: bool) -> int | None:
         """The signal any process has received (the same answer on all), or None.

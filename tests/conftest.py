@@ -26,7 +26,8 @@ BIN = Path(sys.executable).parent
 
 # The files that take longest, longest first: pytest-xdist hands files out in collection order (alphabetical),
 # so without this the longest ones could start last and run alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_checkpoints.py", "test_topology.py", "test_own_model.py", "test_faults.py", "test_scale_out.py",
+LONGEST_FIRST = ("test_checkpoints.py", "test_topology.py", "test_engines.py", "test_own_model.py", "test_faults.py",
+                 "test_scale_out.py", "test_slurm.py", "test_deepspeed.py",
                  "test_augment.py", "test_restarts.py", "test_watchdog.py", "test_check.py", "test_bench.py",
                  "test_lm_example.py", "test_trackers.py", "test_streams.py", "test_sweep.py", "test_language_models.py",
                  "test_launch.py", "test_evaluation.py", "test_data.py")

@@ -64,6 +64,14 @@ def test_what_each_patch_relies_on_is_where_it_was_written_for():
     assert isinstance(PartialState._shared_state, dict) and isinstance(AcceleratorState._shared_state, dict)
     assert "self.distributed_type = DistributedType.FSDP" in inspect.getsource(AcceleratorState.__init__)
     assert "fsdp_plugin" in inspect.getsource(AcceleratorState.__init__)
+    from accelerate.utils import fsdp_utils  # sharded_trainable_only: the two functions FSDP's save and load call
+
+    assert str(inspect.signature(fsdp_utils._prepare_sd_options)) == "(fsdp_plugin)"
+    assert str(inspect.signature(fsdp_utils._get_model_state_dict)) == "(model, adapter_only=False, sd_options=None)"
+    for function in (fsdp_utils.save_fsdp_model, fsdp_utils.load_fsdp_model):
+        assert {"_prepare_sd_options(fsdp_plugin)", "_get_model_state_dict("} <= {
+            text for text in ("_prepare_sd_options(fsdp_plugin)", "_get_model_state_dict(")
+            if text in inspect.getsource(function)}
     assert "_worker_info" in vars(worker) and "return _worker_info" in inspect.getsource(get_worker_info)
     metric = pytest.importorskip("torchmetrics").Metric
     assert "distributed_available_fn" in inspect.getsource(metric.__init__)

@@ -10,7 +10,10 @@ gloo; DeepSpeed as one CPU process) and turns every setup Accelerate would misha
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from collections import Counter
+from pathlib import Path
 
 import accelerate
 import torch
@@ -51,6 +54,57 @@ def check_deepspeed(cfg: TrainConfig) -> None:
         if given is not None and _number(given) != value:
             raise ConfigError(f"the accelerate config sets {variable.split('_', 1)[1].lower()} {given}; acc_trainer "
                               f"passes {option} ({value}) to DeepSpeed: remove it from the config's deepspeed_config")
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    _check_offload(cfg, _deepspeed_file(cfg, path) if path != "none" else {})
+
+
+def _check_offload(cfg: TrainConfig, given: dict) -> None:
+    """Offloading (the DeepSpeed config file's, else the accelerate config's) that would train something else, or fail
+    as DeepSpeed builds its engine."""
+    offload = {kind: given.get("zero_optimization", {}).get(f"offload_{kind}", {}).get("device")
+               or os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{kind.upper()}_DEVICE", "none")
+               for kind in ("optimizer", "param")}
+    if (offload["optimizer"] != "none" and given.get("zero_force_ds_cpu_optimizer", True)
+            and cfg.optimizer not in ("adam", "adamw")):
+        # accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed: any torch optimizer becomes DeepSpeedCPUAdam
+        raise ConfigError(f"offload_optimizer_device {offload['optimizer']}: Accelerate replaces the optimizer with "
+                          f"DeepSpeed's CPU Adam, so --optimizer {cfg.optimizer} would train as Adam: use --optimizer adam "
+                          "or adamw, or offload_optimizer_device: none")
+    if "nvme" in offload.values():
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # imported for NVMe only (3 s)
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):  # DeepSpeed would fail as it builds the engine
+            raise ConfigError("offload to nvme needs DeepSpeed's async_io operation, which cannot be built here (it needs "
+                              "libaio's headers: apt install libaio-dev): offload to cpu, or to none")
+
+
+def _deepspeed_file(cfg: TrainConfig, path: str) -> dict:
+    """A DeepSpeed config file of the user's (deepspeed_config_file), checked: Accelerate refuses an optimizer or
+    scheduler in it beside the trainer's (deep in `prepare`), and its accumulation and clipping would override the
+    trainer's flags."""
+    try:
+        given = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the DeepSpeed config file {path} cannot be read: {e}") from None
+    for section, option in (("optimizer", "--optimizer"), ("scheduler", "--scheduler")):
+        if section in given:
+            raise ConfigError(f"the DeepSpeed config file {path} has a section {section!r}; acc_trainer builds the "
+                              f"{section} from {option} and hands it to DeepSpeed: remove the section")
+    for key, option, value in (("gradient_accumulation_steps", "--grad-accum", cfg.grad_accum),
+                               ("gradient_clipping", "--max-grad-norm", cfg.max_grad_norm or 0.0)):
+        if given.get(key, "auto") != "auto" and _number(str(given[key])) != value:
+            raise ConfigError(f"the DeepSpeed config file {path} sets {key} {given[key]}; acc_trainer passes {option} "
+                              f"({value}) to DeepSpeed: remove it from the file, or set it to \"auto\"")
+    return given
+
+
+def check_fsdp(cfg: TrainConfig) -> None:
+    """Checked before the process group exists: FSDP setups that cannot run on these processes, one line each."""
+    offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+    if offload and (cfg.cpu or not torch.cuda.is_available()):  # torch would fail in pin_memory, mid-setup
+        raise ConfigError("fsdp_offload_params: true moves the weights between a GPU and the CPU's memory, and these "
+                          "processes run on the CPU (their weights are in its memory already): set it to false in the "
+                          "accelerate config")
 
 
 def _number(text: str) -> float | None:
@@ -68,7 +122,9 @@ def set_up(accelerator: Accelerator, engine: str) -> None:
     them patches.fsdp_on_cpu sets FSDP up as Accelerate does for a GPU group, with the plugin Accelerate
     reads from the launcher's environment.
     """
-    if engine == "FSDP" and accelerator.distributed_type == DistributedType.MULTI_CPU:
+    # A second run in the same processes (a second fit()) finds FSDP in the processes' state and no plugin yet.
+    if engine == "FSDP" and accelerator.device.type == "cpu" and accelerator.num_processes > 1 and (
+            accelerator.distributed_type == DistributedType.MULTI_CPU or not getattr(accelerator.state, "fsdp_plugin", None)):
         plugin = FullyShardedDataParallelPlugin()
         if plugin.fsdp_version != 2:
             raise ConfigError("FSDP on CPU processes needs fsdp_version: 2 in the accelerate config (FSDP2, as "
@@ -86,8 +142,16 @@ def set_up(accelerator: Accelerator, engine: str) -> None:
 
 
 def deepspeed_plugin(cfg: TrainConfig) -> DeepSpeedPlugin:
-    """The trainer's --grad-accum and --max-grad-norm, not Accelerate's defaults ("auto" would clip at 1.0)."""
-    return DeepSpeedPlugin(gradient_accumulation_steps=cfg.grad_accum, gradient_clipping=cfg.max_grad_norm or 0.0)
+    """The trainer's --grad-accum and --max-grad-norm, whatever the config (Accelerate 1.15 leaves gradient_clipping
+    out for 0, and DeepSpeed 0.19 then clips at its default, 1.0: a run without --max-grad-norm was clipped), and ZeRO-3
+    made to gather the whole weights for the final save (`get_state_dict` refuses otherwise, after the training)."""
+    plugin = DeepSpeedPlugin(gradient_accumulation_steps=cfg.grad_accum, gradient_clipping=cfg.max_grad_norm or 0.0)
+    config = plugin.deepspeed_config
+    config["gradient_accumulation_steps"] = cfg.grad_accum  # a config file without one would have 1 (Accelerate)
+    config["gradient_clipping"] = cfg.max_grad_norm or 0.0
+    if plugin.zero_stage == 3:  # stage3_gather_16bit_weights_on_model_save, whatever zero3_save_16bit_model says
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    return plugin
 
 
 def prepare_deepspeed(accelerator: Accelerator, per_process_batch: int) -> torch.dtype | None:
@@ -98,5 +162,62 @@ def prepare_deepspeed(accelerator: Accelerator, per_process_batch: int) -> torch
     """
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return None
-    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_process_batch
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = per_process_batch
+    config["train_batch_size"] = per_process_batch * config["gradient_accumulation_steps"] * accelerator.num_processes
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+
+
+def zero_stage() -> int:
+    """The ZeRO stage the accelerate config asks DeepSpeed for, as Accelerate's DeepSpeedPlugin reads it (a DeepSpeed
+    config file's, else the launcher's, else 2); meaningful where the config selects DeepSpeed (`requested`)."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    stage = json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage") if path != "none" else None
+    return int(stage if stage not in (None, "auto") else os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
+
+
+def save_state_dict(state: dict, module, folder: Path) -> None:
+    """DeepSpeed's and FSDP2's final weights (main process), `state` from `accelerator.get_state_dict` (ZeRO-3's gathered
+    one layer at a time onto the main process's CPU, FSDP2's shards gathered whole), written as `save_model` writes a
+    DDP model's: model.safetensors (or shards and their index), a weight tied in `module` once, under its first name.
+    Accelerate's own save_model writes a tied weight twice under ZeRO-1/2 and FSDP2 (each tensor gathered apart), and
+    under ZeRO-3 on a CPU, whose gathered tensors are views of one flat buffer, keeps one of them as if all were tied."""
+    from huggingface_hub import save_torch_state_dict
+
+    tied = {name for name, _ in module.named_parameters(remove_duplicate=False)} - dict(module.named_parameters()).keys()
+    kept = {name: tensor for name, tensor in state.items() if name not in tied}
+    shared = Counter(tensor.untyped_storage().data_ptr() for tensor in kept.values())
+    # A tensor that shares its storage, or is a view of a larger one (FSDP2's gathered uneven shards), is copied out:
+    # safetensors writes whole storages only.
+    kept = {name: tensor.clone() if shared[tensor.untyped_storage().data_ptr()] > 1
+            or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() else tensor
+            for name, tensor in kept.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(kept, folder, max_shard_size="10GB")  # save_model's default
+
+
+def partitioned(model) -> bool:
+    """The model's parameters are ZeRO-3 partitions (DeepSpeed gives them ds_id and ds_numel)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def zero3_state(model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every process: a ZeRO-3 model's state dict with whole tensors, on the main process's CPU (`{}` on the
+    others), gathered one module at a time as DeepSpeed's own consolidation does. `trainable_only`: the
+    parameters that train and the buffers, as a checkpoint of a partly frozen model keeps them."""
+    import deepspeed
+    from accelerate import PartialState
+
+    main = PartialState().is_main_process
+    names = model.state_dict(keep_vars=True).keys()  # the parameters and persistent buffers, as the model names them
+    state = {}
+    for prefix, module in model.named_modules():
+        own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in module.named_parameters(recurse=False)
+               if p.requires_grad or not trainable_only]
+        with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None):
+            if main:
+                state.update((n, p.detach().cpu().clone()) for n, p in own if n in names)
+    if not main:
+        return {}
+    buffers = {n: b.detach().cpu().clone() for n, b in model.named_buffers() if n in names}
+    return {n: state.get(n, buffers.get(n)) for n in names if n in state or n in buffers}

@@ -45,6 +45,8 @@ def start(cfg: TrainConfig) -> Group:
     cpu = cfg.cpu or not torch.cuda.is_available()
     engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
     patches.apply_to_process()  # Accelerate's per-step lookups once, and no DeepSpeed import (docs/performance.md)
+    if engine == "FSDP":
+        engines.check_fsdp(cfg)
     if engine == "DEEPSPEED":
         engines.check_deepspeed(cfg)
         cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)

@@ -96,8 +96,13 @@ def parameter_counts(model, frozen_for_now: list | None = None) -> dict:
     """How many parameters train now and how many there are (a tied weight counted once)."""
     paused = {id(p) for p in frozen_for_now or []}
     params = list(model.parameters())  # each Parameter once, tied ones too
-    trainable = sum(p.numel() for p in params if p.requires_grad and id(p) not in paused)
-    return {"trainable": trainable, "total": sum(p.numel() for p in params)}
+    trainable = sum(_size(p) for p in params if p.requires_grad and id(p) not in paused)
+    return {"trainable": trainable, "total": sum(_size(p) for p in params)}
+
+
+def _size(p) -> int:
+    """A parameter's number of elements; a ZeRO-3 partition's whole parameter's (DeepSpeed's ds_numel)."""
+    return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
 
 
 def frozen_digest(model) -> dict | None:
@@ -136,6 +141,15 @@ def check_holds_trainable(resume: Path, model) -> None:
     """A checkpoint without every parameter that trains (an adapter lost on the way) is refused, naming one."""
     from safetensors import safe_open
 
+    shards = resume / "pytorch_model_fsdp_0"  # FSDP's checkpoint of the model (torch's distributed checkpoint format)
+    if shards.is_dir():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        held = {k.removeprefix("model.") for k in FileSystemReader(str(shards)).read_metadata().state_dict_metadata}
+        wanted = [n for n, p in model.named_parameters() if p.requires_grad and n not in held]
+        if wanted:
+            raise ConfigError(f"checkpoint {resume} lacks {len(wanted)} of the tensors that train (e.g. {wanted[0]})")
+        return
     file = resume / "model.safetensors"
     if not file.is_file():
         raise ConfigError(f"checkpoint {resume} holds only the parameters that train, and no model.safetensors to check "
@@ -150,26 +164,69 @@ def check_holds_trainable(resume: Path, model) -> None:
         raise ConfigError(f"checkpoint {resume} lacks {len(wanted)} of the tensors that train (e.g. {wanted[0]})")
 
 
-def save_adapter(model, folder: Path) -> list[str]:
-    """A peft model's adapter in peft's format (`PeftModel.from_pretrained(base, folder)`); the names written."""
-    model.save_pretrained(str(folder))
+def save_adapter(model, folder: Path, state: dict | None = None) -> list[str]:
+    """A peft model's adapter in peft's format (`PeftModel.from_pretrained(base, folder)`); the names written.
+    `state`: the model's weights gathered whole (`gathered_state`), for a model whose weights are sharded."""
+    model.save_pretrained(str(folder), **({"state_dict": state} if state is not None else {}))
     (folder / "README.md").unlink(missing_ok=True)  # peft's model-card template: nothing of this run in it
     return [name for name in ADAPTER_FILES if (folder / name).exists()]
 
 
-def save_merged(model, folder: Path) -> None:
+def gathered_state(model, whole: bool = False) -> dict | None:
+    """Every process: a sharded (FSDP2) peft model's weights gathered whole on the main process (the adapter's, or
+    with `whole` all of them, for --lora-merge); None for a model each process holds whole (or not a peft model)."""
+    from ..distributed.engines import partitioned, zero3_state
+    from ..distributed.gathered import full_state, is_sharded
+
+    if is_peft(model) and partitioned(model):  # DeepSpeed ZeRO-3's partitions
+        return zero3_state(model, trainable_only=not whole)
+    if not (is_peft(model) and is_sharded(model)):
+        return None
+    return full_state(model, trainable_only=not whole)
+
+
+def save_merged(model, folder: Path, state: dict | None = None) -> None:
     """--lora-merge: the adapters folded into a copy of the weights, saved as the base model saves itself
-    (`from_pretrained` for a transformers model, else model.safetensors). The trained model is left as it is."""
+    (`from_pretrained` for a transformers model, else model.safetensors). The trained model is left as it is.
+    `state`: the whole weights of a sharded model (`gathered_state(model, whole=True)`), put into a plain copy built
+    from the transformers model's config (a sharded model cannot be copied)."""
     import copy
 
     from safetensors.torch import save_model
 
-    merged = copy.deepcopy(model).merge_and_unload()
+    merged = copy.deepcopy(model if state is None else _plain_copy(model, state)).merge_and_unload()
     folder.mkdir(parents=True, exist_ok=True)
     if hasattr(merged, "save_pretrained") and hasattr(getattr(merged, "config", None), "save_pretrained"):
         merged.save_pretrained(str(folder))
     else:
         save_model(merged, str(folder / "model.safetensors"))
+
+
+def _plain_copy(model, state: dict):
+    """A sharded transformers peft model built again, whole, on the main process's CPU, with `state` (its weights)."""
+    import copy
+
+    from peft import get_peft_model
+
+    base = model.get_base_model()
+    # FSDP2 renames the class (FSDPLlamaForCausalLM); the model's own class is the first that is not FSDP's.
+    cls = next(c for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
+    with _old_names_quiet():
+        plain = get_peft_model(cls(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[model.active_adapter]))
+    plain.load_state_dict(state)
+    return plain
+
+
+def check_merge_sharded(cfg: TrainConfig, model, engine: str) -> None:
+    """--lora-merge under FSDP (or DeepSpeed ZeRO-3) folds the adapters into a whole copy built from a transformers
+    model's config: another model is refused at start, in one line."""
+    from ..distributed.engines import zero_stage
+
+    sharded = "FSDP" if engine == "FSDP" else "DeepSpeed ZeRO-3" if engine == "DEEPSPEED" and zero_stage() == 3 else None
+    if cfg.lora_merge and sharded and not hasattr(getattr(model, "config", None), "save_pretrained"):
+        raise ConfigError(f"--lora-merge under {sharded} needs a transformers model (the merged copy is built again from "
+                          f"its config, as sharded weights cannot be copied); {type(model).__name__} is not one: merge "
+                          "the finished run's adapter into your model with peft's merge_and_unload")
 
 
 def load_adapter(base, folder: Path):

@@ -19,16 +19,24 @@ from pathlib import Path
 from ..config import IMPORT_PATH, ConfigError, first_line
 from .adapters import is_peft, save_adapter
 
+MODEL_CONFIG = "model-config"  # where a checkpoint of sharded weights keeps the model's config (config_files)
 
-def config_files(module, folder: Path, whole: bool = True) -> list[str]:
+
+def config_files(module, folder: Path, whole: bool = True, adapter: dict | None = None, apart: bool = False) -> list[str]:
     """Writes a transformers model's config (and generation config) into `folder`, or a peft model's adapter in
-    peft's format; the names written. `whole`: the folder's weights are all the model's (a checkpoint of a model
-    with frozen parameters holds only those that train: no config.json then, which would load it half random)."""
+    peft's format (`adapter`: its weights gathered whole, for a sharded model); the names written. `whole`: the
+    folder's weights are all the model's (a checkpoint of a model with frozen parameters holds only those that train:
+    no config.json then, which would load it half random). `apart`: the folder's weights are an engine's own files
+    (FSDP's shards, DeepSpeed's), which from_pretrained cannot read: the config goes into `folder/model-config`, for
+    `acc-trainer consolidate` to write beside the whole weights."""
     if is_peft(module):
-        return save_adapter(module, folder)
+        return save_adapter(module, folder, adapter)
     config = getattr(module, "config", None)
     if not whole or not hasattr(module, "save_pretrained") or not hasattr(config, "save_pretrained"):
         return []
+    if apart:
+        folder = folder / MODEL_CONFIG
+        folder.mkdir(exist_ok=True)
     config = copy.deepcopy(config)  # the user's model keeps its own
     # Which class to build, as save_pretrained records it (FSDP2 renames the class: FSDPGPT2LMHeadModel).
     config.architectures = [next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))]
@@ -47,7 +55,7 @@ def config_files(module, folder: Path, whole: bool = True) -> list[str]:
               f"(transformers: {str(e).splitlines()[0] if str(e) else type(e).__name__}); the weights were",
               file=sys.stderr)
         return []
-    return written
+    return [f"{MODEL_CONFIG}/{name}" for name in written] if apart else written
 
 
 def load_tokenizer(spec: str, what: str = "--tokenizer"):

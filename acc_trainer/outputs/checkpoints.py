@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..config import ConfigError, TrainConfig, first_line
+from . import moving
 
 STATE_FILE = "trainer_state.json"
 SUMS = "SHA256SUMS"
@@ -308,22 +309,17 @@ def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
     ]
     if mismatches:
         raise ConfigError(f"checkpoint {path} is from a different run: {'; '.join(mismatches)}")
-    if state.get("engine", "DDP") != engine:
-        raise ConfigError(f"checkpoint {path} was written under {state.get('engine', 'DDP')}; resume it with the same "
-                          f"accelerate config (this run: {engine})")
-    if state["world_size"] != world and engine != "DDP":
-        # FSDP's and DeepSpeed's files are each process's shard of the weights and optimizer state.
-        raise ConfigError(f"checkpoint {path} was written by {state['world_size']} processes under {engine}, whose "
-                          f"files are each process's shard; resume it with {state['world_size']}, not {world}")
+    saved_engine = state.setdefault("engine", "DDP")
+    moving.check_move(path, saved_engine, state["world_size"], engine, world)
     names = {p.name for p in path.iterdir()}
     required = ["scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(min(world, state["world_size"]))]
-    if engine == "DDP":
+    if saved_engine == "DDP":
         required += ["model.safetensors", "optimizer.bin"]
     missing = [name for name in required if name not in names]
     # FSDP and DeepSpeed name their files after the state-dict type; their loaders check the rest.
-    if engine != "DDP" and not any(name.startswith("pytorch_model") for name in names):
+    if saved_engine != "DDP" and not any(name.startswith("pytorch_model") for name in names):
         missing.append("the model's pytorch_model* files")
-    if engine == "FSDP" and not any(name.startswith("optimizer") for name in names):
+    if saved_engine == "FSDP" and not any(name.startswith("optimizer") for name in names):
         missing.append("the optimizer's optimizer* files")
     if missing:
         raise ConfigError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing")
@@ -392,6 +388,12 @@ def check_random_states(accelerator: Accelerator, path: Path, saved_world: int |
         ranks = ", ".join(str(i) for i, bad in enumerate(failed) if bad)
         raise ConfigError(f"checkpoint {path}: the random number generator states of process {ranks} cannot be "
                           f"restored ({problem or 'see that process'}); resuming would not continue the same run")
+
+
+def restore_random_states(path: Path, rank: int) -> None:
+    """This process's generators from the checkpoint's random states of process `rank` (what `load_state` does, for a
+    checkpoint loaded without it: moving.load)."""
+    _restore_random_states(path / f"random_states_{rank}.pkl")
 
 
 def _restore_random_states(file: Path) -> None:

@@ -173,18 +173,28 @@ def _trained(model, weights: Path, cfg: TrainConfig, name: str | None = None):
 
 
 def _load_weights(model, weights: Path, name: str) -> None:
-    """`weights` (verified: `_verified`) into `model`, every tensor: a safetensors file through safetensors'
-    `load_model`, which fills in a tied tensor the file holds once (a causal LM's output layer, tied to its
-    embedding)."""
-    from safetensors.torch import load_model
-
+    """`weights` (verified: `_verified`) into `model`, every tensor. A tied tensor (a causal LM's output layer, tied to
+    its embedding) may be in the file once, under either name (safetensors writes it once), or under both (FSDP's
+    gathered weights): either fills the parameter."""
     try:
         if weights.suffix == ".safetensors":
-            load_model(model, weights, strict=True)
+            from safetensors.torch import load_file
+
+            state = load_file(str(weights))
         else:
-            model.load_state_dict(torch.load(weights, weights_only=True, map_location="cpu"))
+            state = torch.load(weights, weights_only=True, map_location="cpu")
+        missing, unexpected = model.load_state_dict(state, strict=False)
     except Exception as e:  # noqa: BLE001 - a file that is not these weights is the user's input
         raise ConfigError(f"the weights {weights} do not load into {name}: {type(e).__name__}: {first_line(e)}") from None
+    names = {}
+    for key, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(key)
+    tied = {key: group for group in names.values() for key in group}
+    missing = [k for k in missing if not any(other in state for other in tied.get(k, []))]
+    if missing or unexpected:
+        problem = f"{len(missing)} missing (e.g. {missing[0]})" if missing else f"{len(unexpected)} unexpected (e.g. " \
+                                                                                f"{unexpected[0]})"
+        raise ConfigError(f"the weights {weights} do not load into {name}: {problem} of its tensors")
 
 
 # ----------------------------------------------------------------------------------------- the pieces

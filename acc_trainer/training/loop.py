@@ -33,6 +33,7 @@ from ..config import ConfigError, TrainConfig
 from ..data.faults import sample_name, stream_faults, unreadable_everywhere
 from ..distributed.processes import Group
 from ..distributed.watchdog import Watchdog
+from ..language.adapters import gathered_state
 from ..language.generation import ready, write_samples
 from ..language.pretrained import config_files, tokenizer_files
 from ..outputs.checkpoints import BEST
@@ -351,11 +352,16 @@ def save_checkpoint(r: Run, name: str | None = None) -> None:
     saved = {**r.state.saved(r.accelerator), "world_size": r.world, "engine": r.engine,
              "parameters": r.trained.parameters, "frozen": r.trained.frozen, "config": r.cfg.to_dict()}
     with r.watch.slow("checkpoint"), r.output.checkpoints.writing(saved, name) as folder:
-        with patches.shared_tensors_unsaid():  # tied weights, saved once and tied again on load
-            r.accelerator.save_state(str(folder))
+        partly = bool(r.trained.frozen) and name != BEST  # the frozen base left out (DDP: a pre-hook of setup's)
+        # DeepSpeed leaves the frozen parameters out of its own files itself (exclude_frozen_parameters)
+        apart = {"exclude_frozen_parameters": True} if partly and r.engine == "DEEPSPEED" else {}
+        with patches.shared_tensors_unsaid(), patches.sharded_trainable_only(partly and r.engine == "FSDP"):
+            r.accelerator.save_state(str(folder), **apart)  # tied weights saved once
+        module = r.accelerator.unwrap_model(r.trained.model, keep_torch_compile=False)
+        adapter = gathered_state(module)  # a sharded model's adapter, gathered by every process
         if r.accelerator.is_main_process:  # a transformers model's config.json: it loads with from_pretrained too
-            config_files(r.accelerator.unwrap_model(r.trained.model, keep_torch_compile=False), folder,
-                         whole=not r.trained.frozen or name == BEST)
+            config_files(module, folder, whole=not r.trained.frozen or name == BEST, adapter=adapter,
+                         apart=r.engine != "DDP")
             tokenizer_files(r.job.tokenizer, folder)
 
 

@@ -32,7 +32,7 @@ from ..distributed import engines, processes
 from ..distributed.processes import Group
 from ..distributed.watchdog import Idle
 from ..language import adapters
-from ..outputs import checkpoints, trackers
+from ..outputs import checkpoints, moving, trackers
 from ..outputs.checkpoints import BEST, Checkpoints
 from ..outputs.progress import Progress, engine_name
 from ..outputs.runfiles import RunFiles, lock_run_folder, output_dir
@@ -217,7 +217,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
         model = model.to(memory_format=torch.channels_last)
     _freeze(cfg, model, tuning)  # before the groups and prepare
     notes += tuning.notes + ([f"--compile: {compile_blocks(model)} repeated blocks compiled in place"] if regional else [])
-    frozen = adapters.frozen_digest(model) if group.engine == "DDP" else None
+    frozen = adapters.frozen_digest(model)
     if origin.resumed and origin.resumed.get("frozen"):
         adapters.check_frozen(origin.resume, origin.resumed["frozen"], model)
     optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed, group.engine)
@@ -230,9 +230,9 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     ema, averaged = _ema(cfg, accelerator, model)
     trained = Trained(model, optimizer, scheduler, ema, averaged, tuning, input_dtype, flops, shapes,
                       adapters.parameter_counts(model, tuning.frozen if cfg.unfreeze_at else None), frozen)
-    if frozen:  # checkpoints hold what trains (a hook: save_state gathers the weights it writes inside)
-        accelerator.register_save_state_pre_hook(_trainable_only)
-    state = _state(cfg, accelerator, job, origin, model, checked, shape)
+    if frozen and group.engine == "DDP":  # checkpoints hold what trains (a hook: save_state gathers the weights inside;
+        accelerator.register_save_state_pre_hook(_trainable_only)  # FSDP's: patches.sharded_trainable_only)
+    state = _state(cfg, accelerator, job, origin, trained, checked, shape)
     shape.start_step = state.step
     notes += _start_notes(cfg, origin, world, job.data.notes)
     job.data.heads.clear()  # the first samples read for the checks at start (up to a global batch) are not kept
@@ -277,21 +277,27 @@ def _device_notes(accelerator: Accelerator) -> list[str]:
     return notes
 
 
-def _state(cfg: TrainConfig, accelerator: Accelerator, job: Workload, origin: _Origin, model, checked: Checked,
-           shape: Shape) -> RunState:
+def _state(cfg: TrainConfig, accelerator: Accelerator, job: Workload, origin: _Origin, trained: Trained,
+           checked: Checked, shape: Shape) -> RunState:
     """The run's progress: new, or the checkpoint's (its weights, optimizer, scheduler, random states and state
-    loaded into the prepared objects)."""
+    loaded into the prepared objects; from another engine's checkpoint through outputs/moving.py)."""
     state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, checked.items))
     if job.data.kind.train.stream:
         state.stream = stream_position(0, 0, shape.per_epoch)
     if origin.resumed:
         partial = bool(origin.resumed.get("frozen"))  # the frozen weights are not in it: built again above
-        if partial:
-            adapters.check_holds_trainable(origin.resume, model)
-        with checkpoints.reading(origin.resume):
-            # strict=False lets the frozen tensors be missing (DeepSpeed's own loader takes no `strict`).
-            accelerator.load_state(str(origin.resume), **({"strict": False} if partial else {}))
-        checkpoints.check_random_states(accelerator, origin.resume, origin.resumed["world_size"])
+        saved_world = origin.resumed["world_size"]
+        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        if partial and not deepspeed:  # DeepSpeed restores what trains from its optimizer's own copy
+            adapters.check_holds_trainable(origin.resume, accelerator.unwrap_model(trained.model, keep_torch_compile=False))
+        with checkpoints.reading(origin.resume), patches.sharded_trainable_only(partial and accelerator.is_fsdp2):
+            if moving.crosses_engines(origin.resumed["engine"], engines.requested()):
+                moving.load(accelerator, trained.model, trained.optimizer, trained.scheduler, origin.resume, partial)
+                checkpoints.restore_random_states(origin.resume, min(accelerator.process_index, saved_world - 1))
+            else:  # strict=False lets the frozen tensors be missing (DeepSpeed's own loader takes no `strict`)
+                missing = {"load_module_strict": False} if deepspeed else {"strict": False}
+                accelerator.load_state(str(origin.resume), **(missing if partial else {}))
+        checkpoints.check_random_states(accelerator, origin.resume, saved_world)
         state.load(origin.resumed, accelerator.process_index, accelerator.num_processes)
     return state
 
@@ -474,8 +480,7 @@ def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str
             f", {len(report[k])} {k} ({', '.join(report[k][:3])}{', ...' if len(report[k]) > 3 else ''})"
             for k in ("reset", "missing", "unexpected") if report[k]))
     if cfg.lora:
-        if engine != "DDP":
-            raise ConfigError(f"--lora: LoRA runs train under DDP (one or several processes); {engine} is not supported")
+        adapters.check_merge_sharded(cfg, model, engine)
         model = adapters.apply_lora(cfg, model)
         counts = adapters.parameter_counts(model)
         out.notes.append(f"LoRA rank {cfg.lora} on {cfg.lora_targets and ','.join(cfg.lora_targets) or 'every linear layer'}"

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from .. import patches
 from ..config import TrainConfig
-from ..distributed import processes
-from ..language.adapters import is_peft, save_merged
+from ..distributed import engines, processes
+from ..language.adapters import gathered_state, is_peft, save_merged
 from ..language.pretrained import config_files, tokenizer_files
 from ..outputs import trackers
 from ..outputs.checkpoints import WRITE_ERRORS, write_failure, write_sums
@@ -81,14 +82,20 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
     try:
         module = accelerator.unwrap_model(model, keep_torch_compile=False)
         if is_peft(module):  # the adapter alone, in peft's format (and the merged model, --lora-merge)
+            gathered = gathered_state(module, whole=merge)  # a sharded model's weights, gathered by every process
             if accelerator.is_main_process:
-                config_files(module, tmp)
+                config_files(module, tmp, adapter=gathered)
                 if merge:  # a model folder of its own: its tokenizer too
-                    save_merged(module, tmp / "merged")
+                    save_merged(module, tmp / "merged", gathered)
                     tokenizer_files(tokenizer, tmp / "merged")
         else:
             with patches.shared_tensors_unsaid():  # tied weights, saved once and tied again on load
-                accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
+                if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+                    state = accelerator.get_state_dict(model)  # gathered by every process (ZeRO-3's, FSDP2's shards)
+                    if accelerator.is_main_process:  # a tied weight once, as DDP's file holds it
+                        engines.save_state_dict(state, module, tmp)
+                else:
+                    accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
             if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained
                 config_files(module, tmp)
         if accelerator.is_main_process:  # the run's tokenizer: AutoTokenizer.from_pretrained(folder) too

@@ -1,0 +1,35 @@
+"""A model's whole weights where each process holds a shard of them (FSDP2), on the main process.
+
+Under DDP every process holds the whole model and its `state_dict()` is the weights. Under FSDP2 each
+parameter is a DTensor split over the processes: the whole tensors exist only once they are gathered, which
+every process takes part in (torch's `get_model_state_dict` with `full_state_dict`, put on the CPU of the main
+process alone, so no process holds more than one copy). What needs the whole weights (the adapter in peft's
+format, a merged model, the weights `acc-trainer consolidate` writes) gets them here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_sharded(model) -> bool:
+    """The model's parameters are split over the processes (FSDP2's DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_state(model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The model's state dict with whole tensors on the CPU: on the main process, `{}` on the others when sharded
+    (every process must call it then: the tensors are gathered). `trainable_only`: the parameters that train (and the
+    buffers), as a checkpoint of a partly frozen model keeps them."""
+    if not is_sharded(model):
+        state = model.state_dict()
+        if trainable_only:
+            frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.data_ptr() in frozen)}
+        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=trainable_only))

@@ -1,0 +1,212 @@
+"""Fine-tuning that outgrows one device, on CPU processes with gloo (the same code on GPUs): LoRA and frozen layers
+under FSDP2, checkpoints that move between engines and numbers of processes, and `acc-trainer consolidate`.
+
+A small Llama with tied embeddings (tests/engine_probe.py) trains in full, with LoRA (merged too, with samples
+from a prompt) and with its first layer and the embedding frozen: on 1 plain process, on 2 FSDP2 processes
+(the same jobs, each resumed from its own checkpoint, each continuing the 1-process run's checkpoint), then on 3
+FSDP2 processes and on 1 plain process from the 2-process checkpoints. Every run must end where the uninterrupted
+1-process run ends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+import engine_probe  # noqa: E402 - after the skips
+from conftest import CONFIGS, REPO, check, launch, one_thread, reset_accelerate  # noqa: E402
+from lm_probe import base_model, documents, pad  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+JOBS = ("full", "lora", "freeze")
+STEP3 = "checkpoints/step-00000003"
+FSDP = ("--config_file", str(CONFIGS / "fsdp.yaml"))
+
+
+def run_probe(out, specs, processes: int = 0, engine=FSDP):
+    """engine_probe's runs: in this process (0), or launched on PROCESSES processes of ENGINE (launcher flags)."""
+    if not processes:
+        reset_accelerate()
+        with one_thread():
+            engine_probe.run(out, specs)
+        reset_accelerate()
+        return
+    launched = check(launch(out, *specs, launcher_args=(*engine, "--num_processes", str(processes)),
+                            target=(str(REPO / "tests" / "engine_probe.py"),)))
+    (out / "launch.stderr").write_text(launched.stderr)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"one", "fsdp", "three", "back", "ddp"}: the folders of the 1-process runs, the 2-process FSDP2 runs (NAME,
+    NAME_resumed from its step-3 checkpoint, NAME_from1 from the 1-process run's), the 3-process FSDP2 runs and the
+    1-process runs continuing the 2-process FSDP2 checkpoints, and 2 DDP processes (NAME_resumed from their own
+    checkpoint, NAME continuing the 2-process FSDP2 one)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("one", "fsdp", "three", "back", "ddp")}
+    one, fsdp = folders["one"], folders["fsdp"]
+    run_probe(one, [f"{job}={job}" for job in JOBS])
+    run_probe(fsdp, [f"{job}={job}" for job in JOBS] + [f"{job}_resumed={job}@{fsdp / job / STEP3}" for job in JOBS]
+              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS], processes=2)
+    run_probe(folders["three"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=3)
+    run_probe(folders["back"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS])
+    ddp = folders["ddp"]
+    run_probe(ddp, ["lora_own=lora", f"lora_resumed=lora@{ddp / 'lora_own' / STEP3}"]
+              + [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=2, engine=("--multi_gpu",))
+    return folders
+
+
+def weights(folder) -> dict:
+    name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").exists() else "model.safetensors"
+    return load_file(folder / name)
+
+
+def distance(a: dict, b: dict) -> float:
+    """The largest difference between two sets of weights (the same tensors: a tied one once, in every run folder)."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def sharded_keys(checkpoint, part: str) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(str(checkpoint / part)).read_metadata().state_dict_metadata)
+
+
+def test_lora_and_frozen_layers_under_fsdp_train_what_one_process_trains(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    one, fsdp = runs["one"], runs["fsdp"]
+    for job in JOBS:
+        s = json.loads((fsdp / job / "summary.json").read_text())
+        assert s["distributed_type"] == "FSDP" and s["world_size"] == 2
+        assert distance(weights(fsdp / job), weights(one / job)) <= 1e-5, job
+        assert s["parameters"] == json.loads((one / job / "summary.json").read_text())["parameters"]
+        # Resumed from its own sharded checkpoint, the run ends bit for bit where it ended.
+        assert identical(weights(fsdp / f"{job}_resumed"), weights(fsdp / job)), job
+
+    # The frozen layers never moved: every tensor of them is the factory's, on every process's shard.
+    start, frozen = base_model().state_dict(), weights(fsdp / "freeze")
+    names = [k for k in start if k.startswith(("model.embed_tokens", "model.layers.0."))]
+    assert names and all(torch.equal(frozen[k], start[k]) for k in names)
+    assert any(not torch.equal(frozen[k], start[k]) for k in start if k.startswith("model.layers.1."))
+
+    # The adapter in peft's format loads where users load it; --lora-merge's folder with from_pretrained.
+    adapted = PeftModel.from_pretrained(base_model().eval(), fsdp / "lora")
+    reference = PeftModel.from_pretrained(base_model().eval(), one / "lora")
+    ids = torch.arange(1, 9)[None]
+    with torch.no_grad():
+        assert torch.allclose(adapted(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(fsdp / "lora" / "merged")
+    reference = weights(one / "lora" / "merged")  # save_pretrained writes a tied tensor once
+    assert distance({k: merged.state_dict()[k] for k in reference}, reference) <= 1e-5
+    # Samples from the prompt, generated with sharded weights (every process runs each forward pass together).
+    samples = (fsdp / "lora" / "samples.jsonl").read_text()
+    assert samples == (one / "lora" / "samples.jsonl").read_text() and samples.count("\n") == 2
+
+
+def test_fsdp_checkpoints_of_partly_frozen_models_hold_what_trains(runs):
+    """The adapter (or the layers that train) and their optimizer state, not the frozen base again; the adapter in
+    peft's format too; no config.json at the top (from_pretrained cannot read sharded weights)."""
+    fsdp = runs["fsdp"]
+    full, lora, freeze = (fsdp / job / STEP3 for job in JOBS)
+    assert all("lora_" in key for key in sharded_keys(lora, "pytorch_model_fsdp_0"))
+    assert all("lora_" in key for key in sharded_keys(lora, "optimizer_0") if key.startswith("optimizer.state."))
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        keys = sharded_keys(freeze, part)
+        assert keys and not any(("embed_tokens" in k or "layers.0." in k) for k in keys), part
+    assert any("embed_tokens" in key for key in sharded_keys(full, "pytorch_model_fsdp_0"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in lora.iterdir()}
+    for checkpoint in (lora, freeze, full):
+        assert not (checkpoint / "config.json").exists()
+    assert (full / "model-config" / "config.json").is_file()  # for consolidate
+
+
+def test_checkpoints_move_between_engines_and_numbers_of_processes(runs):
+    """1 process -> FSDP2 on 2, FSDP2 on 2 -> 3, FSDP2 on 2 -> 1 plain process, FSDP2 -> DDP: each continued run ends
+    within 1e-5 of the uninterrupted 1-process run (the same global batches)."""
+    one = runs["one"]
+    # A LoRA run of 2 DDP processes resumes from its own checkpoint (the adapter's names are checked unwrapped).
+    assert identical(weights(runs["ddp"] / "lora_resumed"), weights(runs["ddp"] / "lora_own"))
+    for job in JOBS:
+        for moved in (runs["fsdp"] / f"{job}_from1", runs["three"] / job, runs["back"] / job, runs["ddp"] / job):
+            evals = json.loads((moved / "summary.json").read_text())["evals"]
+            assert [e["step"] for e in evals] == [3, 6]  # it resumed at step 3 (evaluated again there) and went on
+            assert evals[-1]["loss"] == pytest.approx(json.loads((one / job / "summary.json").read_text())["evals"][-1]["loss"],
+                                                      abs=1e-5)
+            assert distance(weights(moved), weights(one / job)) <= 1e-5, moved
+        three = json.loads((runs["three"] / job / "summary.json").read_text())
+        assert (three["world_size"], three["distributed_type"]) == (3, "FSDP")
+        assert json.loads((runs["back"] / job / "summary.json").read_text())["distributed_type"] == "NO"
+
+
+def test_consolidate_writes_any_checkpoint_as_a_folder_from_pretrained_loads(runs, tmp_path, main_in_process):
+    from transformers import AutoModelForCausalLM
+
+    import acc_trainer
+
+    fsdp, one = runs["fsdp"], runs["one"]
+    for engine, final in (("fsdp", fsdp / "full"), ("one", one / "full")):
+        checkpoint, out = final / "checkpoints" / "step-00000006", tmp_path / engine
+        code, stdout, stderr = main_in_process("consolidate", str(checkpoint), str(out))
+        assert code == 0 and stdout.startswith("consolidated ") and stderr == ""
+        assert stdout.split(": ")[-1].split() == ["config.json,", "generation_config.json,", "model.safetensors"]
+        model = AutoModelForCausalLM.from_pretrained(out)
+        state, trained = model.state_dict(), weights(final)
+        assert all(torch.equal(state[k], trained[k]) for k in trained)  # bit for bit the weights in training
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        # The run folder and the consolidated folder (whose distributed checkpoint named the tied tensor twice) load in
+        # acc_trainer.evaluate too, with the run's own figures.
+        reset_accelerate()
+        final_loss = json.loads((final / "summary.json").read_text())["evals"][-1]["loss"]
+        for folder, weights_file in ((final, None), (final, out / "model.safetensors")):
+            results = acc_trainer.evaluate(folder, model=base_model(), data=documents(16, 1), collate_fn=pad,
+                                           weights=weights_file, progress="none")
+            assert results["loss"] == pytest.approx(final_loss, abs=1e-6)
+            reset_accelerate()
+        assert identical(AutoModelForCausalLM.from_pretrained(final).state_dict(), state)
+    # One line each: a checkpoint holding only what trains, a folder that is no checkpoint, a folder not empty.
+    lora = fsdp / "lora" / STEP3
+    assert main_in_process("consolidate", str(lora), str(tmp_path / "x"))[2].startswith(
+        f"acc-trainer: error: checkpoint {lora} holds only the parameters that train")
+    assert main_in_process("consolidate", str(tmp_path), str(tmp_path / "x"))[2] == (
+        f"acc-trainer: error: {tmp_path} is not an acc_trainer checkpoint (no trainer_state.json); checkpoints are the "
+        "folders in RUN_DIR/checkpoints/\n")
+    assert main_in_process("consolidate", str(fsdp / "full" / STEP3), str(tmp_path / "fsdp"))[2] == (
+        f"acc-trainer: error: {tmp_path / 'fsdp'} exists and is not an empty folder: nothing is written over it\n")
+    assert not (tmp_path / "x").exists()
+
+
+def test_fsdp_setups_that_cannot_run_here_are_one_line(main_in_process, monkeypatch, tmp_path):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    assert main_in_process("--model", "mlp", "--output-dir", str(tmp_path / "run")) == (
+        2, "", "acc-trainer: error: fsdp_offload_params: true moves the weights between a GPU and the CPU's memory, and "
+               "these processes run on the CPU (their weights are in its memory already): set it to false in the "
+               "accelerate config\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sigterm_that_comes_again_is_the_same_request_to_stop():
+    """A scheduler signals every process and the launcher passes its own SIGTERM on: the second must not kill the
+    process before its checkpoint. A Ctrl-C after a signal still interrupts at once."""
+    import os
+    import signal
+
+    from acc_trainer.stopping import StopSignals
+
+    accelerator = type("One", (), {"num_processes": 1})()
+    with StopSignals(accelerator) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # with the default handler back, this would end the test's process
+        assert signals.agreed(True) == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
