@@ -198,12 +198,25 @@ def test_fsdp_setups_that_cannot_run_here_are_one_line(main_in_process, monkeypa
 def test_a_sigterm_that_comes_again_is_the_same_request_to_stop():
     """A scheduler signals every process and the launcher passes its own SIGTERM on: the second must not kill the
     process before its checkpoint. A Ctrl-C after a signal still interrupts at once."""
+    import signal
+
+    accelerator = type("One", (), {"num_processes": 1})()
+    # Python's own Ctrl-C handler before: an earlier test in this process may have left another (torch's launcher's).
+    before = {sig: signal.signal(sig, handler) for sig, handler in
+              ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))}
+    try:
+        _signal_twice(accelerator)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _signal_twice(accelerator):
     import os
     import signal
 
     from acc_trainer.stopping import StopSignals
 
-    accelerator = type("One", (), {"num_processes": 1})()
     with StopSignals(accelerator) as signals:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # with the default handler back, this would end the test's process
