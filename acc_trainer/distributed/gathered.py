@@ -20,15 +20,9 @@ def is_sharded(model) -> bool:
 
 
 def full_state(model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """The model's state dict with whole tensors on the CPU: on the main process, `{}` on the others when sharded
-    (every process must call it then: the tensors are gathered). `trainable_only`: the parameters that train (and the
-    buffers), as a checkpoint of a partly frozen model keeps them."""
-    if not is_sharded(model):
-        state = model.state_dict()
-        if trainable_only:
-            frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.data_ptr() in frozen)}
-        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    """A sharded model's state dict with whole tensors on the CPU: on the main process, `{}` on the others (every
+    process must call it: the tensors are gathered). `trainable_only`: the parameters that train (and the buffers), as
+    a checkpoint of a partly frozen model keeps them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
