@@ -29,7 +29,10 @@ PRECISIONS = ("no", "fp16", "bf16")
 PROGRESS = ("auto", "rich", "plain", "none")
 AUGMENTS = ("auto", "none", "standard", "trivialaugment")  # augment.AUGMENTS, and auto
 PIPELINES = ("batched", "per-sample")
+TRUNCATIONS = ("keep_start", "off")
+DATA_FILES = (".jsonl", ".json", ".parquet")  # --dataset FILE (or a folder of them, or one save_to_disk wrote)
 FORWARDS = ("default", "with_targets")  # losses.FORWARDS
+OBJECTIVES, DPO_REFERENCES = ("lm", "dpo"), ("auto", "adapter", "copy")
 # accelerate.tracking.LOGGER_TYPE_TO_CLASS's names, for --help (importing it takes a second; a test keeps them in step).
 TRACKERS = ("aim", "clearml", "comet_ml", "dvclive", "mlflow", "swanlab", "tensorboard", "trackio", "wandb")
 
@@ -64,8 +67,10 @@ class TrainConfig:
         "lenet", f"model: a built-in one ({', '.join(MODELS)}), torchvision:<name>, timm:<name>, or an import path "
         "pkg.module:factory (a function or class returning an nn.Module)", metavar="NAME|PATH")
     dataset: str = _opt(
-        "synthetic", f"dataset: a built-in one ({', '.join(DATASETS)}) or an import path pkg.module:factory "
-        "returning (train_dataset, eval_dataset)", metavar="NAME|PATH")
+        "synthetic", f"dataset: a built-in one ({', '.join(DATASETS)}), an import path pkg.module:factory "
+        "returning (train_dataset, eval_dataset), or files of samples: a .jsonl, .json or .parquet file, or a folder "
+        "of them or of a Hugging Face dataset's save_to_disk (chat messages, prompt/completion or text data are "
+        "tokenized with --tokenizer)", metavar="NAME|PATH")
     model_args: dict | None = _opt(
         None, "keyword arguments for the model factory, a YAML/JSON mapping, e.g. '{width: 64, dropout: 0.1}' (a "
         "num_classes parameter gets the data's number of classes unless set here)", metavar="MAPPING")
@@ -90,6 +95,11 @@ class TrainConfig:
         None, "the text's tokenizer: a folder saved with save_pretrained, a tokenizer.json, or pkg.module:factory "
         "returning one; saved into the run folder and each checkpoint (AutoTokenizer.from_pretrained loads them), "
         "used by --prompts and predict --generate", metavar="PATH")
+    objective: str = _opt("lm", "what the run trains: lm (the loss of --loss, or the model's own), dpo (preference pairs "
+                          "against the starting weights, docs/language-models.md#preference-pairs-and-dpo)", choices=OBJECTIVES)
+    dpo_beta: float = _opt(0.1, "--objective dpo: beta, the scale of the log-probability ratios (rewards)", metavar="BETA")
+    dpo_reference: str = _opt("auto", "--objective dpo: the reference, the model with its LoRA adapters off (adapter) or "
+                              "a frozen copy (copy); auto: adapter with --lora, else copy", choices=DPO_REFERENCES)
     data_dir: str = _opt(
         "data",
         "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train/<class>/*, val/<class>/*)",
@@ -108,6 +118,15 @@ class TrainConfig:
         None, "pack the documents of tokens of the training and evaluation sets into blocks of this many tokens, each "
         "document attending to itself only (through position_ids; refused for a model that attends across them) "
         "and its first token never a target (docs/language-models.md#packing)", metavar="LENGTH")
+    max_length: int | None = _opt(
+        None, "text data: the most tokens of a sample (a pair's prompt + completion); longer ones are cut from the end, "
+        "counted in the start line (see --truncation) (default: no limit)", metavar="TOKENS")
+    truncation: str = _opt("keep_start", "text data longer than --max-length: keep_start cuts it, off refuses it",
+                           choices=TRUNCATIONS)
+    train_on_prompt: bool = _opt(False, "chat and prompt/completion data: the loss on every token, not only on the "
+                                        "assistant's (the completion's)")
+    chat_template: str | None = _opt(None, "a Jinja file of the chat template for messages, replacing the tokenizer's "
+                                           "(and saved with it)", metavar="FILE")
 
     # Augmentation (training only; each sample's is a function of --seed, the epoch and its index).
     augment: str = _opt(
@@ -256,7 +275,8 @@ class TrainConfig:
     prompts: list | None = _opt(
         None, "texts the model continues at each evaluation (greedy: the same text for the same weights), printed and "
         "written to <output-dir>/samples.jsonl and the tracker: a text file with one prompt per line, or a YAML list "
-        "'[\"Once upon a time\", \"def main(\"]' (needs --tokenizer and a model with generate)", metavar="FILE|LIST",
+        "'[\"Once upon a time\", \"def main(\"]'; a prompt given as chat messages, '[[{role: user, content: hi}]]', "
+        "goes through the chat template (needs --tokenizer and a model with generate)", metavar="FILE|LIST",
         lines=True)
     max_new_tokens: int = _opt(32, "--prompts and predict --generate: the most tokens generated for each text")
     skip_bad_samples: bool = _opt(
@@ -314,7 +334,8 @@ class TrainConfig:
                      "lr_step_epochs", "lr_reference_batch", "dist_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_batch_size", "image_size", "keep_last", "eval_every", "max_new_tokens"):
+        for name in ("max_steps", "eval_batch_size", "image_size", "keep_last", "eval_every", "max_new_tokens",
+                     "max_length"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
@@ -346,9 +367,13 @@ class TrainConfig:
 
     def _check_model_and_data(self) -> None:
         """--model, --dataset, --collate and --forward: a built-in name or an import path."""
+        if is_data_path(self.dataset) and not Path(self.dataset).exists():
+            raise ConfigError(f"--dataset {self.dataset}: no such file or folder")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"--chat-template {self.chat_template}: no such file")
         for name, builtins in (("model", MODELS), ("dataset", DATASETS)):
             value = getattr(self, name)
-            if value not in builtins and not IMPORT_PATH.match(value):
+            if value not in builtins and not IMPORT_PATH.match(value) and not (name == "dataset" and is_data_path(value)):
                 raise ConfigError(f"unknown {name} {value!r}; choose from {', '.join(builtins)}, or give an import path "
                                   f"pkg.module:factory" + (", torchvision:<name> or timm:<name>" if name == "model" else "")
                                   + did_you_mean(value, builtins))
@@ -422,6 +447,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def is_data_path(dataset: str) -> bool:
+    """Whether --dataset names files of samples (JSONL, JSON, parquet, or a folder of them or of save_to_disk) rather
+    than a built-in dataset or an import path."""
+    return dataset not in DATASETS and not IMPORT_PATH.match(dataset) and (
+        dataset.endswith(DATA_FILES) or "/" in dataset or Path(dataset).exists())
 
 
 def _flag(name: str) -> str:
@@ -538,9 +570,11 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
             if isinstance(value, str):
                 value = yaml.safe_load(value) if value.lstrip().startswith("[") else value.split(",")
             items = value
-            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            chat = texts and all(isinstance(i, str) or (isinstance(i, list) and all(isinstance(m, dict) for m in i))
+                                 for i in items)  # a prompt may be chat messages
+            if not isinstance(items, list) or not (chat or all(isinstance(i, str) for i in items)):
                 raise TypeError
-            return [i if texts else i.strip() for i in items if i.strip()]
+            return [i if texts else i.strip() for i in items if not isinstance(i, str) or i.strip()]
     except (TypeError, ValueError, yaml.YAMLError):
         kind = {"dict": "a mapping", "list": "a list of texts" if texts else "a list of names"}.get(base, base)
         raise ConfigError(f"option {f.name!r} must be {kind}, got {value!r}") from None

@@ -44,7 +44,7 @@ examples:
 # --help's groups of options, as docs/options.md groups them (a test keeps the two in step).
 THEMES = {
     "What to train": ("model", "dataset", "data_dir", "model_args", "dataset_args", "loss", "collate", "forward",
-                      "tokenizer"),
+                      "tokenizer", "objective", "dpo_beta", "dpo_reference"),
     "How long": ("epochs", "max_steps"),
     "Batches": ("batch_size", "grad_accum", "micro_batch", "eval_batch_size"),
     "Fine-tuning": ("init_from", "init_strict", "pretrained", "freeze", "unfreeze_at", "param_groups",
@@ -55,7 +55,7 @@ THEMES = {
                                "max_grad_norm"),
     "Precision and devices": ("mixed_precision", "cpu", "sync_bn", "seed", "dist_timeout", "hang_timeout"),
     "Data": ("augment", "mixup", "cutmix", "label_smoothing", "ema", "data_pipeline", "num_workers", "train_size",
-             "eval_size", "image_size", "pack"),
+             "eval_size", "image_size", "pack", "max_length", "truncation", "train_on_prompt", "chat_template"),
     "Run files and output": ("output_dir", "log_every", "log_with", "project", "progress", "plots"),
     "Evaluation": ("metrics", "eval_every", "early_stop", "patience", "min_delta", "prompts", "max_new_tokens"),
     "Checkpoints and faults": ("checkpoint_every", "keep_last", "resume", "accept_unverified", "save_best",

@@ -29,7 +29,8 @@ BIN = Path(sys.executable).parent
 LONGEST_FIRST = ("test_checkpoints.py", "test_topology.py", "test_engines.py", "test_own_model.py", "test_faults.py",
                  "test_scale_out.py", "test_slurm.py", "test_deepspeed.py",
                  "test_augment.py", "test_restarts.py", "test_watchdog.py", "test_check.py", "test_bench.py",
-                 "test_lm_example.py", "test_trackers.py", "test_streams.py", "test_sweep.py", "test_language_models.py",
+                 "test_lm_example.py", "test_trl_bench.py", "test_dpo.py", "test_trackers.py", "test_streams.py",
+                 "test_sweep.py", "test_language_models.py",
                  "test_launch.py", "test_evaluation.py", "test_data.py")
 
 

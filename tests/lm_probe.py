@@ -1,6 +1,6 @@
 """Language-model runs through acc_trainer.fit, several in one launch of 1 or 2 processes (starting processes
 costs more than these small runs): a small Llama-style causal LM built from its config (no download) on
-documents of random tokens.
+documents of random tokens, or on chats of random words with a word-level tokenizer built here.
 
     python tests/lm_probe.py OUT_DIR                                           (1 process)
     acc-trainer launch --multi_gpu --num_processes 2 tests/lm_probe.py OUT_DIR
@@ -48,6 +48,55 @@ def pad(samples: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+# A ChatML-like chat template with {% generation %} blocks around what the assistant writes (its content, its
+# end-of-turn token and the newline after it), and the same rendering without them (as most templates are).
+# Jinja in transformers drops a newline written right after a block tag: hence {{ '\n' }}.
+TEMPLATE_GEN = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "<|im_start|>assistant\n{% generation %}{{ m['content'] }}<|im_end|>{{ '\\n' }}{% endgeneration %}"
+    "{% else %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATE_PLAIN = TEMPLATE_GEN.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+WORDS = ("user assistant system what is the capital of france paris say hello there name a colour blue red not good "
+         "answer cat sat on mat dog ate bone sky tell me short story once upon time no thanks you are welcome").split()
+
+
+def chat_tokenizer(template: str | None = TEMPLATE_GEN):
+    """A word-level tokenizer (fewer ids than the model's vocabulary) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[UNK]", "[PAD]", "[EOS]", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate([*specials, *WORDS])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]",
+                                   additional_special_tokens=specials[3:])
+    fast.chat_template = template
+    return fast
+
+
+def conversations(n: int, seed: int) -> list[dict]:
+    """Chats of 1 or 2 exchanges (some with a system message) of random words."""
+    g = torch.Generator().manual_seed(seed)
+
+    def words() -> str:
+        picks = torch.randint(0, len(WORDS), (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+        return " ".join(WORDS[i] for i in picks)
+
+    chats = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": words()}] if torch.rand(1, generator=g) < 0.3 else []
+        for _ in range(int(torch.randint(1, 3, (1,), generator=g))):
+            messages += [{"role": "user", "content": words()}, {"role": "assistant", "content": words()}]
+        chats.append({"messages": messages})
+    return chats
+
+
 def held_out_ids() -> torch.Tensor:
     return torch.stack([d["input_ids"][:6] for d in documents(4, 7)])
 
@@ -62,6 +111,10 @@ JOBS = {
     "packed": dict(pack=32, collate_fn=None),  # blocks of 32 tokens, documents attending within themselves
     # --compile: the Llama's layers compiled in place (regional compilation), checkpoints at steps 3 and 6
     "compiled": dict(pack=32, collate_fn=None, compile=True, checkpoint_every=3),
+    # chat data as users have it: the template applied, the loss on the assistant's tokens, padded by the built-in
+    # collate; a prompt given as chat messages; and the same with accumulation (2 samples a pass)
+    "chat": dict(chat=True, collate_fn=None, prompts=[[{"role": "user", "content": "say hello"}]], max_new_tokens=3),
+    "chat_accumulated": dict(chat=True, collate_fn=None, micro_batch="2"),
 }
 
 
@@ -73,7 +126,11 @@ def run_jobs(out: Path, names=None) -> None:
     for name in names or JOBS:
         options = dict(JOBS[name])
         model = base_model(**options.pop("model", {}))
-        acc_trainer.fit(model, documents(48, 0), documents(16, 1), output_dir=str(out / name), **{**COMMON, **options})
+        if options.pop("chat", False):
+            data, options["tokenizer"] = (conversations(48, 0), conversations(16, 1)), chat_tokenizer(TEMPLATE_PLAIN)
+        else:
+            data = documents(48, 0), documents(16, 1)
+        acc_trainer.fit(model, *data, output_dir=str(out / name), **{**COMMON, **options})
         if PartialState().is_main_process:
             with torch.no_grad():
                 torch.save(model.eval()(input_ids=held_out_ids()).logits, out / f"{name}.logits.pt")

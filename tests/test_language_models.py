@@ -27,7 +27,7 @@ def runs(tmp_path_factory):
     (two / "launch.stderr").write_text(launched.stderr)
     reset_accelerate()
     with one_thread():
-        lm_probe.run_jobs(one, ["full", "lora", "packed", "compiled"])
+        lm_probe.run_jobs(one, ["full", "lora", "packed", "compiled", "chat", "chat_accumulated"])
     reset_accelerate()
     return two, one
 
@@ -58,6 +58,37 @@ def test_two_processes_train_what_one_trains_full_lora_and_packed(runs):
         assert first["evals"][-1]["loss"] == pytest.approx(second["evals"][-1]["loss"], abs=1e-5)
     lora = json.loads((two / "lora" / "summary.json").read_text())["parameters"]
     assert 0 < lora["trainable"] < lora["total"] / 4
+
+
+def test_chat_data_trains_the_same_on_every_topology_and_keeps_its_template(runs):
+    """Chat messages given to fit() as they are (a template without generation blocks, the built-in padding collate):
+    1 vs 2 processes vs accumulation end within 1e-5, on the assistant's tokens only; evaluation every 3 steps counts
+    each conversation once; the run folder's tokenizer keeps its chat template; a chat prompt goes through it."""
+    from transformers import AutoTokenizer
+
+    two, one = runs
+    reference = weights(one / "chat")
+    for folder in (two / "chat", one / "chat_accumulated", two / "chat_accumulated"):
+        assert largest_difference(weights(folder), reference) < 1e-5, folder
+    tokenizer = lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN)
+    labelled = sum(sum(m for m in chat_masks(tokenizer, c["messages"])[1:]) for c in lm_probe.conversations(48, 0))
+    for folder in (two, one):
+        run = json.loads((folder / "chat" / "summary.json").read_text())
+        assert [(e["step"], e["samples"]) for e in run["evals"]] == [(3, 16), (6, 16)]
+        assert f"list: 48 chat samples tokenized, the loss on the assistant's tokens ({labelled:,} labelled tokens)" \
+            in run["notes"]
+        assert AutoTokenizer.from_pretrained(folder / "chat").chat_template == lm_probe.TEMPLATE_PLAIN
+    assert run["evals"][-1]["loss"] == pytest.approx(json.loads((two / "chat" / "summary.json").read_text())
+                                                     ["evals"][-1]["loss"], abs=1e-5)
+    samples = [json.loads(line) for line in (two / "chat" / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["prompt"]) for s in samples] == [(3, [{"role": "user", "content": "say hello"}]),
+                                                           (6, [{"role": "user", "content": "say hello"}])]
+
+
+def chat_masks(tokenizer, messages) -> list[int]:
+    """The assistant's tokens of a conversation as the template with generation blocks marks them."""
+    return tokenizer.apply_chat_template(messages, chat_template=lm_probe.TEMPLATE_GEN, return_dict=True,
+                                         return_assistant_tokens_mask=True)["assistant_masks"]
 
 
 def test_a_compiled_language_model_keeps_every_guarantee(runs):

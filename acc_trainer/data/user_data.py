@@ -8,10 +8,66 @@ from collections.abc import Mapping
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, first_line
 from . import streams
 from .datasets import Data, Heads, RawImages
 from .kinds import is_stream
+
+
+def read_files(path: str, args: dict) -> tuple:
+    """`--dataset PATH`: (train, eval) from files of samples. A .jsonl/.json file is read as it is, one sample a
+    line (or a JSON list); a .parquet file, a folder of such files and a folder written by `save_to_disk` through
+    Hugging Face `datasets` (a folder's `train` split, and its `validation` or `test` split for evaluation).
+    `--dataset-args '{eval: PATH}'` names the evaluation set's files."""
+    unknown = sorted(set(args) - {"eval"})
+    if unknown:
+        raise ConfigError(f"--dataset {path}: --dataset-args takes eval (the evaluation set's files) for files of "
+                          f"samples, not {unknown[0]!r}")
+    train, eval_ = _read_files(path)
+    if args.get("eval") is not None:
+        eval_ = _read_files(str(args["eval"]))[0]
+    return train, eval_
+
+
+def _read_files(path: str) -> tuple:
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.exists():
+        raise ConfigError(f"--dataset {path}: no such file or folder")
+    try:
+        if file.is_file() and file.suffix in (".jsonl", ".json"):
+            text = file.read_text()
+            if file.suffix == ".json" and text.lstrip().startswith("["):
+                return json.loads(text), None
+            return [_json_line(line, n, path) for n, line in enumerate(text.splitlines(), 1) if line.strip()], None
+        import datasets
+
+        if file.is_dir() and any((file / n).is_file() for n in ("dataset_dict.json", "state.json")):
+            made = datasets.load_from_disk(str(file))
+        elif file.is_file():
+            made = datasets.load_dataset(file.suffix.lstrip("."), data_files=str(file), split="train")
+        else:
+            made = datasets.load_dataset(str(file))
+    except ConfigError:
+        raise
+    except (OSError, ValueError, ImportError) as e:  # json's errors are ValueErrors; datasets' are too
+        raise ConfigError(f"--dataset {path} cannot be read: {type(e).__name__}: {first_line(e)}") from None
+    if isinstance(made, Mapping):  # a DatasetDict: its splits
+        if "train" not in made:
+            raise ConfigError(f"--dataset {path} has no train split (it has {', '.join(made)})")
+        return made["train"], next((made[k] for k in ("validation", "test", "eval") if k in made), None)
+    return made, None
+
+
+def _json_line(line: str, number: int, path: str):
+    import json
+
+    try:
+        return json.loads(line)
+    except ValueError as e:
+        raise ConfigError(f"--dataset {path}: line {number} is not JSON ({first_line(e)})") from None
 
 
 def data_from(train, eval_, name: str) -> Data:

@@ -43,6 +43,9 @@ def ready(cfg: TrainConfig, job) -> None:
     if job.data.eval is None:
         raise ConfigError("--prompts: samples are generated at each evaluation, and this run has no evaluation set")
     for prompt in cfg.prompts:
+        if isinstance(prompt, list) and not getattr(job.tokenizer, "chat_template", None):
+            raise ConfigError(f"--prompts: {prompt!r} is chat messages, and the tokenizer has no chat template to "
+                              "render them (--chat-template FILE gives one)")
         if not len(_encoded(job.tokenizer, prompt)):
             raise ConfigError(f"--prompts: {prompt!r} gives no tokens with the tokenizer")
 
@@ -129,8 +132,13 @@ def generated_rows(model, tokenizer, batch, max_new_tokens: int) -> list[dict]:
     return rows
 
 
-def _encoded(tokenizer, text: str) -> torch.Tensor:
-    return torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+def _encoded(tokenizer, prompt: str | list) -> torch.Tensor:
+    """A prompt's token ids: text as the tokenizer makes them; chat messages through the chat template, ending with
+    the assistant's turn begun (the generation prompt)."""
+    if isinstance(prompt, list):
+        ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)
+        return torch.as_tensor(list(ids["input_ids"]), dtype=torch.long)
+    return torch.as_tensor(tokenizer(prompt)["input_ids"], dtype=torch.long)
 
 
 def _append(path: Path, records: list[dict]) -> None:

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, TrainConfig, first_line
+from ..language import chat
 from .check_faults import FAULTS, HANG_FLOOR, SLACK, Fault, _faulted, _resumed_row, _stop_row, fault_names
 from .check_rows import FAIL, SKIPPED, rows_for, table
 from .check_samples import _recorder
@@ -64,12 +65,16 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate
     from ..training.api import fit_config
     from ..workload.components import from_objects
 
+    tokenizer = options.pop("tokenizer", None)  # a tokenizer object goes with the workload, a name in the config
+    if isinstance(tokenizer, str):
+        options["tokenizer"], tokenizer = tokenizer, None
     cfg = replace(fit_config(model, train_data, config, options, collate_fn, forward), output_dir=None)
     # One thread per process: this process may have run OpenMP work already (building the data, say),
     # and GNU OpenMP's thread pool does not survive a fork: a forked child that uses it hangs.
     names = fault_names(faults, cfg)  # before the Checker makes its folder
     return Checker(cfg, lambda cfg: from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
-                                                 forward or cfg.forward, cfg.pack, cfg.data_pipeline),
+                                                 forward or cfg.forward, cfg.pack, cfg.data_pipeline,
+                                                 chat.text_sets(cfg, tokenizer)),
                    steps, output_dir, threads=1).run(names)
 
 
@@ -81,7 +86,7 @@ def _named_workload(cfg: TrainConfig):
     from ..workload.components import build_workload
 
     set_seed(cfg.seed)
-    return build_workload(cfg)
+    return build_workload(cfg, chat.text_sets(cfg))
 
 
 class Checker:

@@ -14,6 +14,9 @@ median over repeats and acc_trainer's ratios to the two others (quotients of tho
 
     cd examples && acc-trainer bench-lm --config stdlib_lm_bench.yaml --processes 1,2 --repeats 3
 
+On text data (chat messages, prompt/completion) or with --objective dpo, the command measures acc_trainer against
+TRL's SFTTrainer or DPOTrainer instead (trl_bench.py).
+
 The loops also run on their own: `python -m acc_trainer.tools.lm_bench --loop hf_trainer|accelerate --steps N
 --warmup W --config '{...}'` (under `accelerate launch` for several processes) prints one `LM_BENCH {...}` line.
 """
@@ -43,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                     description="Tokens per second of acc_trainer, the Hugging Face Trainer and a plain Accelerate loop "
                                 "on one causal language model.")
     parser.add_argument("--processes", default="1,2", help="process counts to run, e.g. 1,2 (default: 1,2)")
-    parser.add_argument("--loops", default=",".join(LOOPS), help=f"loops to run (default: {','.join(LOOPS)})")
+    parser.add_argument("--loops", help=f"loops to run (default: {','.join(LOOPS)}; on chat data or with --objective "
+                                        "dpo: acc_trainer,trl, TRL's SFTTrainer or DPOTrainer: trl_bench.py)")
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps per run (default: 25)")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing (default: 5)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each loop; the median counts (default: 3)")
@@ -62,10 +66,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
         args.processes = sorted({int(p) for p in args.processes.split(",")})
     except ValueError:
         raise ConfigError(f"--processes takes numbers such as 1,2, not {args.processes!r}") from None
-    args.loops = [name for name in args.loops.split(",") if name]
-    unknown = sorted(set(args.loops) - set(LOOPS))
-    if unknown or not args.loops:
-        raise ConfigError(f"--loops takes {', '.join(LOOPS)}, not {','.join(args.loops)!r}")
+    args.loops = [name for name in (args.loops or "").split(",") if name]  # checked by the mode's main
     if not args.processes or min(args.processes) < 1 or args.repeats < 1:
         raise ConfigError("--processes and --repeats must be positive")
     if not 0 < args.warmup < args.steps or args.warmup % cfg.log_every or args.steps % cfg.log_every:
@@ -80,12 +81,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     return args, cfg
 
 
-def tokens_per_sample(cfg: TrainConfig) -> int:
+def tokens_per_sample(cfg: TrainConfig, train) -> int:
     """Every training sample's count of labelled next tokens; the bench needs blocks that all have the same."""
-    from ..workload.components import build_data
     from ..workload.losses import count_next_tokens
 
-    train = build_data(cfg).train
     first = train[0] if hasattr(train, "__getitem__") else None
     if not (isinstance(first, dict) and {"input_ids", "labels"} <= set(first)):
         raise ConfigError(f"bench-lm needs a dataset of {{'input_ids', 'labels'}} blocks; {cfg.dataset} gives "
@@ -285,9 +284,18 @@ def markdown(rows: list[dict], cfg: TrainConfig, args, tokens: int, machine: str
 def main(argv: list[str]) -> None:
     args, cfg = parse(argv)
     from ..outputs.progress import make_console
+    from ..workload.components import build_data
+    from . import trl_bench
 
     console = make_console()
-    tokens = tokens_per_sample(cfg)
+    mode = trl_bench.mode_of(cfg)
+    if mode is not None:  # chat data or preference pairs: against TRL's trainers
+        return trl_bench.main(args, cfg, mode, console)
+    args.loops = args.loops or list(LOOPS)
+    unknown = sorted(set(args.loops) - set(LOOPS))
+    if unknown:
+        raise ConfigError(f"--loops takes {', '.join(LOOPS)}, not {','.join(args.loops)!r}")
+    tokens = tokens_per_sample(cfg, build_data(cfg).train)
     folder = Path(args.bench_dir or f"runs/bench-lm-{time.strftime('%Y%m%d-%H%M%S')}")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, output_dir=None)

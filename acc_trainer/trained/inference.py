@@ -33,7 +33,7 @@ from ..data.faults import stream_faults, unreadable_everywhere
 from ..data.kinds import settle
 from ..data.loaders import evaluation_loader, placed, stream_evaluation
 from ..distributed import processes
-from ..language import adapters
+from ..language import adapters, chat, preference
 from ..language.generation import check_generates, generated_rows
 from ..language.pretrained import load_tokenizer
 from ..outputs import checkpoints
@@ -491,8 +491,15 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
 
     set_seed(cfg.seed)
     # The run's weights replace pretrained ones, but for a LoRA run's base.
-    job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)))
+    job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)), chat.text_sets(cfg))
+    preference.objective(cfg, job)  # --objective dpo: the pairs' forward, loss, figures and collate, as the run had
+    if cfg.objective == "dpo" and not cfg.lora:  # its reference: the starting weights, before the run's are loaded
+        if cfg.init_from:
+            checkpoints.initial_weights(job.model, cfg.init_from, cfg.init_strict)
+        preference.start(job.forward, job.model)
     job.model = _trained(job.model, weights, cfg, cfg.model)
+    if cfg.lora:  # a LoRA run's reference is its base, the adapters switched off
+        preference.start(job.forward, job.model)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:
         raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")

@@ -17,6 +17,7 @@ from accelerate.utils import set_seed
 
 from ..config import ConfigError, TrainConfig, did_you_mean, make_config
 from ..distributed import processes
+from ..language import chat
 from ..workload import components
 from . import lr_range
 from .loop import run
@@ -32,7 +33,7 @@ def train(cfg: TrainConfig) -> dict:
         _fresh_accelerator_state()
         group = processes.start(cfg)  # before the workload: a download happens on the main process first
         set_seed(cfg.seed)  # the same initial weights and generated data on every process
-        return run(cfg, components.build_workload(cfg), group)
+        return run(cfg, components.build_workload(cfg, chat.text_sets(cfg)), group)
 
 
 def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
@@ -85,9 +86,8 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     cfg = fit_config(model, train_data, config, options, collate_fn, forward)
     job = components.from_objects(model, train_data, eval_data, loss if loss is not None else cfg.loss,
                                   metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
-                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline)
+                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline, chat.text_sets(cfg, tokenizer))
     job.optimizer, job.scheduler = factories.get("optimizer"), factories.get("scheduler")
-    job.tokenizer = tokenizer  # an object; one named by cfg.tokenizer is loaded by the loop (generation.ready)
     job.on_evaluation = on_evaluation
     given = {"loss": loss, "metrics": metrics, "collate_fn": collate_fn, "forward": forward, "optimizer": optimizer,
              "scheduler": scheduler, "tokenizer": tokenizer}
@@ -135,7 +135,7 @@ def range_test(cfg: TrainConfig, min_lr: float = 1e-7, max_lr: float = 1.0, step
         folder = lr_range.folder_for(cfg.output_dir, cfg.model, cfg.dataset)
         cfg = make_config({**cfg.to_dict(), **lr_range.run_options(test, folder), "scheduler": "constant"})
         set_seed(cfg.seed)
-        job = components.build_workload(cfg)
+        job = components.build_workload(cfg, chat.text_sets(cfg))
         job.data = replace(job.data, eval=None, kind=replace(job.data.kind, eval=None))
         job.scheduler = schedule
         with lr_range.ending_where_not_finite(test):

@@ -30,6 +30,7 @@ import torch
 
 from .. import patches
 from ..config import ConfigError, TrainConfig
+from ..data.datasets import overlapped
 from ..data.faults import sample_name, stream_faults, unreadable_everywhere
 from ..distributed.processes import Group
 from ..distributed.watchdog import Watchdog
@@ -230,6 +231,8 @@ def _epoch_batches(r: Run):
         seen = (state.step - r.epoch * r.shape.per_epoch) * r.cfg.grad_accum
         batches = r.accelerator.skip_first_batches(r.loaders.train, seen) if seen else r.loaders.train
         batches.set_epoch(r.epoch)
+        # On a GPU, batches made on the device go on a side stream, beside the step before theirs.
+        batches = overlapped(batches, r.loaders.train.dataset, r.accelerator.device)
     if r.loaders.augment:
         r.loaders.augment.set_epoch(r.epoch)  # and each sample's augmentation, whatever process or batch reads it
     return batches

@@ -31,7 +31,7 @@ from ..data.loaders import build_loaders, dataloader_config, on_device
 from ..distributed import engines, processes
 from ..distributed.processes import Group
 from ..distributed.watchdog import Idle
-from ..language import adapters
+from ..language import adapters, preference
 from ..outputs import checkpoints, moving, trackers
 from ..outputs.checkpoints import BEST, Checkpoints
 from ..outputs.progress import Progress, engine_name
@@ -202,7 +202,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     model, scoring, augment = _pieces(cfg, job, accelerator, group.engine, origin, checked)
     if cfg.gradient_checkpointing:
         _gradient_checkpointing(model)
-    model, tuning = _starting_weights(cfg, model, origin.resumed, group.engine)  # --init-from, then --lora
+    model, tuning = _starting_weights(cfg, model, origin.resumed, group.engine, job)  # --init-from, then --lora
     if origin.resumed:
         checkpoints.check_model(origin.resume, origin.resumed, model)
     shapes = checkpoints.parameter_shapes(model)  # as the user built it: what a checkpoint must match
@@ -249,6 +249,7 @@ def _shaped(cfg: TrainConfig, job: Workload, group: Group, origin: _Origin) -> t
     after the samples are known to fit the model: a misfit is one line, not an out-of-memory search); with what the
     start line says of the micro-batch."""
     world = group.state.num_processes
+    preference.objective(cfg, job)  # --objective dpo: its forward, loss, metrics and collate
     checked = _checked(cfg, job, group.engine, world)
     cfg, said = micro_batch.settle(cfg, job, group, origin.resumed)
     return cfg, (_checked(cfg, job, group.engine, world) if said else checked), said
@@ -469,9 +470,9 @@ def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = No
     return optimizer, scheduler, Shape(total_steps, per_epoch, epochs, cfg.checkpoint_steps, 0)
 
 
-def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str) -> tuple:
+def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str, job: Workload) -> tuple:
     """(the model, its Tuning): --init-from's weights (not when resuming from a checkpoint that holds them all),
-    then --lora's adapters around them (adapters.py)."""
+    then --lora's adapters around them (adapters.py); then DPO's reference is fixed (preference.py)."""
     out = Tuning()
     if cfg.init_from and (not resumed or resumed.get("frozen")):
         report = checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
@@ -486,6 +487,9 @@ def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str
         out.notes.append(f"LoRA rank {cfg.lora} on {cfg.lora_targets and ','.join(cfg.lora_targets) or 'every linear layer'}"
                          f": {counts['trainable']:,} of {counts['total']:,} parameters train "
                          f"({100 * counts['trainable'] / counts['total']:.2f}%)")
+    reload = cfg.init_from and resumed and not resumed.get("frozen")  # --init-from skipped above: the copy gets it
+    preference.start(job.forward, model, partial(checkpoints.initial_weights, path=cfg.init_from,
+                                                 strict=cfg.init_strict) if reload else None)
     return model, out
 
 

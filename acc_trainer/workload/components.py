@@ -29,11 +29,11 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..config import IMPORT_PATH, ConfigError, TrainConfig, first_line
+from ..config import IMPORT_PATH, ConfigError, TrainConfig, first_line, is_data_path
 from ..data import packing
 from ..data.datasets import DATASETS, Data, check_data, torchvision
 from ..data.kinds import settle
-from ..data.user_data import data_from
+from ..data.user_data import data_from, read_files
 from . import losses
 from . import metrics as builtin_metrics
 from .models import MODELS
@@ -109,8 +109,11 @@ def call_factory(factory: Callable, args: dict, known: dict, what: str) -> Any:
 # ---------------------------------------------------------------------------------------- from names
 
 
-def build_workload(cfg: TrainConfig) -> Workload:
-    """Everything `cfg` names, built in this process (every process calls this after seeding)."""
+def build_workload(cfg: TrainConfig, text=None) -> Workload:
+    """Everything `cfg` names, built in this process (every process calls this after seeding). `text`: how the
+    run's text samples become tokens (language/chat.py's `TextSets`, which carries the run's tokenizer), applied to
+    a dataset factory's or files' sets before they are packed, unless a collate function of the user's takes the
+    samples as they are; None: no text data."""
     from accelerate import PartialState
 
     # The main process builds the data first (and downloads, if it must); the others then read its
@@ -118,7 +121,7 @@ def build_workload(cfg: TrainConfig) -> Workload:
     error = None
     with PartialState().main_process_first():
         try:
-            data = build_data(cfg)
+            data = build_data(cfg, text)
         except ConfigError as e:
             error = e
     if error is not None:
@@ -126,7 +129,14 @@ def build_workload(cfg: TrainConfig) -> Workload:
     model = build_model(cfg, data)
     loss = build_loss(cfg.loss) if cfg.loss else None
     metrics = build_metrics(cfg.metrics) if cfg.metrics is not None else None
-    return Workload(model, data, loss, metrics, cfg.model, cfg.dataset, cfg.loss, *build_batching(cfg.collate, cfg.forward))
+    collate, forward = build_batching(cfg.collate, cfg.forward)
+    return Workload(model, data, loss, metrics, cfg.model, cfg.dataset, cfg.loss, _text_collate(collate, text), forward,
+                    tokenizer=getattr(text, "tokenizer", None))
+
+
+def _text_collate(collate: Callable | None, text) -> Callable | None:
+    """The user's collate function; else, for unpacked text data, the padding one the text's kind asks for."""
+    return collate if collate is not None or text is None else text.collate()
 
 
 def build_batching(collate, forward) -> tuple[Callable | None, Callable | None]:
@@ -143,23 +153,27 @@ def build_batching(collate, forward) -> tuple[Callable | None, Callable | None]:
     return collate, None if forward is losses.forward else forward
 
 
-def build_data(cfg: TrainConfig) -> Data:
+def build_data(cfg: TrainConfig, text=None) -> Data:
+    """The run's `Data` from --dataset (`text`: see build_workload)."""
     spec, args = cfg.dataset, cfg.dataset_args or {}
     known = {"config": cfg, "seed": cfg.seed}
     if spec in DATASETS:
         data = call_factory(DATASETS[spec], args, known, f"dataset {spec}")
     else:
-        factory = import_object(spec, "--dataset")
-        made = call_factory(factory, args, known, f"dataset factory {spec}")
+        made = read_files(spec, args) if is_data_path(spec) else call_factory(
+            import_object(spec, "--dataset"), args, known, f"dataset factory {spec}")
         if isinstance(made, Data):
             data = made
         elif isinstance(made, (tuple, list)) and len(made) == 2:
-            data = data_from(*packing.pack_sets(made[0], made[1], cfg.pack, spec), spec)
+            train, eval_ = text(*made, spec) if text is not None and cfg.collate is None else made
+            data = data_from(*packing.pack_sets(train, eval_, cfg.pack, spec), spec)
         else:
             raise ConfigError(f"dataset factory {spec} returned {type(made).__name__}; it must return a pair "
                               "(train_dataset, eval_dataset)")
     if cfg.pack and not isinstance(data.train, packing.Packed):  # a built-in set: refused there, naming its samples
         data = data_from(*packing.pack_sets(data.train, data.eval, cfg.pack, spec), spec)
+    if getattr(text, "note", None):
+        data.notes.append(text.note)
     data = settle(data, cfg.data_pipeline, cfg.collate)
     check_data(data, cfg.batch_size, spec)
     return data
@@ -311,13 +325,16 @@ def _callable(obj: Any, spec: str, what: str) -> Callable:
 
 
 def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate=None, forward=None,
-                 pack: int | None = None, pipeline: str = "batched") -> Workload:
+                 pack: int | None = None, pipeline: str = "batched", text=None) -> Workload:
     """`fit()`'s arguments as a Workload: the same checks the command line's objects get (`pack`: --pack,
-    `pipeline`: --data-pipeline)."""
+    `pipeline`: --data-pipeline, `text`: see build_workload)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
     name = type(train_data).__name__ if train_data is not None else "fit()"
-    data = settle(data_from(*packing.pack_sets(train_data, eval_data, pack, name), name), pipeline, collate)
+    train, eval_ = text(train_data, eval_data, name) if text is not None and collate is None and \
+        train_data is not None else (train_data, eval_data)
+    data = settle(data_from(*packing.pack_sets(train, eval_, pack, name), name), pipeline, collate)
+    data.notes += [text.note] if getattr(text, "note", None) else []
     loss_name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
     if isinstance(loss, str):
         loss = build_loss(loss)
@@ -330,8 +347,9 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate
                    else next(iter(build_metrics([m]).values())) for name, m in metrics.items()}
     elif metrics is not None:
         raise ConfigError(f"fit: metrics must be a dict of name -> metric or a list of names, not {type(metrics).__name__}")
+    collate, forward = build_batching(collate, forward)
     return Workload(model, data, loss, metrics, qualified_name(model), qualified_name(train_data), loss_name,
-                    *build_batching(collate, forward), objects=True)
+                    _text_collate(collate, text), forward, objects=True, tokenizer=getattr(text, "tokenizer", None))
 
 
 def qualified_name(obj: Any) -> str:

@@ -1,0 +1,450 @@
+"""Text as users bring it, turned into token ids and labels with the run's tokenizer: chat transcripts
+(`{"messages": [{"role", "content"}, ...]}`), prompt/completion pairs (text or messages), plain text (`{"text": ...}`
+or strings), and preference pairs (prompt, chosen, rejected) for DPO.
+
+The labels are those TRL 1.16's trainers build, token for token (tests/test_chat.py compares them):
+- `messages`: the assistant's tokens. A chat template with `{% generation %}` blocks marks them itself (transformers'
+  `return_assistant_tokens_mask`, TRL's `assistant_only_loss`); for any other template each assistant turn is found by
+  rendering the conversation before it with the generation prompt and the conversation up to it, its characters mapped
+  onto tokens by their offsets (the rule transformers uses for its own spans). A template that renders earlier turns
+  differently once a later one follows (some drop earlier reasoning) is refused: give one with generation blocks.
+- prompt/completion: the tokens after the common prefix of the prompt tokenized alone (with the generation prompt for
+  messages) and of prompt + completion (TRL's completion-only loss); text completions get the EOS token appended as text.
+- text: every token, EOS appended.
+`train_on_prompt` labels every token. `max_length` cuts keep_start (what is cut is counted: the start line says it);
+`truncation="off"` refuses a longer sample instead. A sample left with no labelled token is dropped, as TRL does.
+
+The tokenized sets are map-style (`Tokenized`), built once where the run's data is built, before packing; unpacked
+samples of different lengths are batched by `pad_collate`, preference pairs by `preference_collate`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import Dataset
+
+from ..config import ConfigError, TrainConfig, first_line
+from ..data.datasets import IGNORE_INDEX
+from ..data.kinds import is_stream
+from .pretrained import load_tokenizer
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+KINDS = ("messages", "prompt_completion", "preference", "text")
+GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for generation blocks
+
+
+def sample_kind(sample, index: int | None = None) -> str | None:
+    """"messages", "prompt_completion", "preference" (prompt + chosen + rejected, or chosen + rejected), "text" (a
+    string, or a dict with `text`), or None for a sample that is not text (token ids, tensors: left as they are).
+    A pair without `rejected` (or without `chosen`) is one line naming the sample."""
+    if isinstance(sample, str):
+        return "text"
+    if not isinstance(sample, Mapping):
+        return None
+    where = _where(index)
+    if "chosen" in sample or "rejected" in sample:
+        if "chosen" not in sample or "rejected" not in sample:
+            missing = "rejected" if "chosen" in sample else "chosen"
+            raise ConfigError(f"{where}is a preference pair without {missing!r}: a pair holds prompt, chosen and "
+                              "rejected (or chosen and rejected conversations sharing their first turns)")
+        return "preference"
+    if "messages" in sample:
+        return "messages"
+    if "prompt" in sample or "completion" in sample:
+        if "prompt" not in sample or "completion" not in sample:
+            missing = "completion" if "prompt" in sample else "prompt"
+            raise ConfigError(f"{where}has no {missing!r}: prompt/completion data holds both")
+        return "prompt_completion"
+    if "text" in sample and isinstance(sample["text"], str) and "input_ids" not in sample:
+        return "text"
+    return None
+
+
+def tokenize_sample(tokenizer, sample, train_on_prompt: bool = False, max_length: int | None = None,
+                    truncation: str = "keep_start", index: int | None = None) -> dict[str, list[int]]:
+    """One SFT sample (messages, prompt/completion or text) as `{"input_ids", "labels"}` (lists of ints): the
+    labels -100 where the loss leaves a token out (the prompt's, unless `train_on_prompt`). `max_length`: kept from
+    the start (`truncation="keep_start"`) or refused (`"off"`)."""
+    kind = sample_kind(sample, index)
+    if kind not in ("messages", "prompt_completion", "text"):
+        raise ConfigError(f"{_where(index)}is not chat, prompt/completion or text data")
+    ids, mask = _encode(tokenizer, sample, kind, index)
+    labels = list(ids) if train_on_prompt else [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+    ids = _cut(ids, max_length, truncation, index)
+    return {"input_ids": ids, "labels": labels[:len(ids)]}
+
+
+def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, truncation: str = "keep_start",
+                  index: int | None = None) -> dict[str, list[int]]:
+    """A preference pair as `prompt_ids`, `chosen_ids`, `rejected_ids`, as TRL's DPOTrainer prepares them: text gets
+    the EOS token appended to chosen and rejected; messages go through the chat template (the prompt with the
+    generation prompt); the prompt ends where the prompt's tokens stop being a prefix of either whole sequence. A pair
+    without a prompt shares its first turns (TRL's extract_prompt). `max_length`: prompt + completion kept from the
+    start, or refused with `truncation="off"`."""
+    sample_kind(sample, index)
+    prompt, chosen, rejected = _explicit_prompt(sample)
+    chat = isinstance(prompt, list)
+    if chat != isinstance(chosen, list) or chat != isinstance(rejected, list):
+        raise ConfigError(f"{_where(index)}mixes text and messages: prompt, chosen and rejected are all text or all "
+                          "lists of messages")
+    if chat:
+        _check_template(tokenizer, index)
+        for part in (prompt, chosen, rejected):
+            _check_messages(part, index)
+        p = _template_ids(tokenizer, prompt, add_generation_prompt=True)
+        pc, pr = _template_ids(tokenizer, prompt + chosen), _template_ids(tokenizer, prompt + rejected)
+    else:
+        _need_tokenizer(tokenizer, index)
+        eos = tokenizer.eos_token or ""
+        chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
+        p, pc, pr = (list(tokenizer(text)["input_ids"]) for text in (prompt, prompt + chosen, prompt + rejected))
+    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+    out = {"prompt_ids": list(p[:n]), "chosen_ids": list(pc[n:]), "rejected_ids": list(pr[n:])}
+    if max_length is not None:
+        longest = n + max(len(out["chosen_ids"]), len(out["rejected_ids"]))
+        _cut([0] * longest, max_length, truncation, index)  # refused when "off"
+        out = {"prompt_ids": out["prompt_ids"][:max_length],
+               **{k: out[k][:max(0, max_length - n)] for k in ("chosen_ids", "rejected_ids")}}
+    return out
+
+
+def assistant_mask(tokenizer, messages: list, index: int | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, 1 on the assistant's tokens) of a conversation rendered by the tokenizer's chat template."""
+    if GENERATION.search(_template_text(tokenizer)):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), list(out["assistant_masks"])
+    text = _render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)  # what the model is given
+        upto = _render(tokenizer, messages[:i + 1])
+        if not (text.startswith(upto) and upto.startswith(before)):
+            raise ConfigError(f"{_where(index)}the chat template renders the conversation before message {i} "
+                              f"differently once message {i} follows, so the assistant's tokens cannot be found; give "
+                              "a template with {% generation %} blocks (--chat-template FILE)")
+        spans.append((len(before), len(upto)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask, k = [], 0
+    for start, end in encoded["offset_mapping"]:
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        mask.append(int(k < len(spans) and end > spans[k][0] and end > start))
+    return list(encoded["input_ids"]), mask
+
+
+def _encode(tokenizer, sample, kind: str, index: int | None) -> tuple[list[int], list[int]]:
+    """(token ids, 1 where the loss counts by default) of an SFT sample."""
+    if kind == "messages":
+        messages = sample["messages"]
+        _check_template(tokenizer, index)
+        _check_messages(messages, index)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ConfigError(f"{_where(index)}is a conversation with no assistant turn: nothing to learn from it")
+        ids, mask = assistant_mask(tokenizer, messages, index)
+        if not any(mask):
+            raise ConfigError(f"{_where(index).strip()}: the chat template's {{% generation %}} blocks mark none of the "
+                              "assistant's tokens")
+        return ids, mask
+    if kind == "text":
+        _need_tokenizer(tokenizer, index)
+        text = sample if isinstance(sample, str) else sample["text"]
+        eos = tokenizer.eos_token or ""
+        ids = list(tokenizer(text if text.endswith(eos) else text + eos)["input_ids"])
+        return ids, [1] * len(ids)
+    prompt, completion = sample["prompt"], sample["completion"]
+    if not completion or (isinstance(completion, str) and not completion.strip()):
+        raise ConfigError(f"{_where(index)}has an empty completion: nothing to learn from it")
+    if isinstance(prompt, list) != isinstance(completion, list):
+        raise ConfigError(f"{_where(index)}mixes text and messages: prompt and completion are both text or both "
+                          "lists of messages")
+    if isinstance(prompt, list):
+        _check_template(tokenizer, index)
+        _check_messages(prompt + completion, index)
+        prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
+        ids = _template_ids(tokenizer, prompt + completion)
+    else:
+        _need_tokenizer(tokenizer, index)
+        eos = tokenizer.eos_token or ""
+        completion = completion if completion.endswith(eos) else completion + eos
+        prompt_ids, ids = list(tokenizer(prompt)["input_ids"]), list(tokenizer(prompt + completion)["input_ids"])
+    n = _common_prefix(prompt_ids, ids)
+    return ids, [0] * n + [1] * (len(ids) - n)
+
+
+def _explicit_prompt(sample: Mapping) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected); without a prompt, the turns (or characters) chosen and rejected share."""
+    if "prompt" in sample:
+        return sample["prompt"], sample["chosen"], sample["rejected"]
+    chosen, rejected = sample["chosen"], sample["rejected"]
+    n = _common_prefix(chosen, rejected)
+    if isinstance(chosen, str) and n and chosen[n - 1] == " ":  # TRL: the space goes with the completions
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _cut(ids: list[int], max_length: int | None, truncation: str, index: int | None) -> list[int]:
+    if max_length is None or len(ids) <= max_length:
+        return list(ids)
+    if truncation == "off":
+        raise ConfigError(f"{_where(index)}has {len(ids)} tokens, more than --max-length {max_length} (--truncation "
+                          "off); raise --max-length, or let --truncation keep_start cut it")
+    return list(ids[:max_length])
+
+
+def _common_prefix(a: Sequence, b: Sequence) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _where(index: int | None) -> str:
+    return f"sample {index} " if index is not None else "a sample "
+
+
+def _need_tokenizer(tokenizer, index: int | None) -> None:
+    if tokenizer is None:
+        raise ConfigError(f"{_where(index)}is text, and the run has no tokenizer to turn it into tokens: give "
+                          "--tokenizer (or fit(tokenizer=...))")
+
+
+def _template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    return " ".join(template.values()) if isinstance(template, Mapping) else template or ""
+
+
+def _check_template(tokenizer, index: int | None) -> None:
+    _need_tokenizer(tokenizer, index)
+    if not _template_text(tokenizer):
+        raise ConfigError(f"{_where(index)}holds chat messages, and the tokenizer has no chat template to render them: "
+                          "give one with --chat-template FILE (a Jinja file), or a tokenizer that has one")
+
+
+def _check_messages(messages, index: int | None) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{_where(index).strip()}: messages must be a non-empty list of {{role, content}} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise ConfigError(f"{_where(index).strip()}: message {i} is not a dict with a role and content")
+        if message["role"] not in ROLES:
+            raise ConfigError(f"{_where(index).strip()}: message {i} has the role {message['role']!r}; roles are "
+                              f"{', '.join(ROLES)}")
+
+
+def _render(tokenizer, messages: list, **kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs) if messages else ""
+
+
+def _template_ids(tokenizer, messages: list, **kwargs) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+
+# --------------------------------------------------------------------------------------------------- the sets
+
+
+class Tokenized(Dataset):
+    """A set of text samples tokenized once: SFT samples as `{"input_ids", "labels"}` LongTensors, preference pairs
+    as `tokenize_pair`'s lists plus `index` (the pair's place in this set: `self[i]["index"] == i`). What was cut and
+    dropped is counted (`truncated`, `cut_tokens`, `dropped`), and the labelled tokens (`labelled`; a pair's: its
+    completions')."""
+
+    def __init__(self, dataset, tokenizer, kind: str, train_on_prompt: bool = False, max_length: int | None = None,
+                 truncation: str = "keep_start"):
+        self.kind, self.samples = kind, []
+        self.truncated = self.cut_tokens = self.dropped = self.labelled = 0
+        for i in range(len(dataset)):
+            sample = dataset[i]
+            if sample_kind(sample, i) != kind:
+                raise ConfigError(f"sample {i} is {_kind_name(sample_kind(sample, i))} data, and sample 0 is "
+                                  f"{_kind_name(kind)} data: a set holds one kind")
+            if kind == "preference":
+                self._add_pair(tokenizer, sample, i, max_length, truncation)
+            else:
+                self._add_sample(tokenizer, sample, i, train_on_prompt, max_length, truncation)
+
+    def _add_sample(self, tokenizer, sample, i, train_on_prompt, max_length, truncation) -> None:
+        whole = tokenize_sample(tokenizer, sample, train_on_prompt, index=i)
+        out = tokenize_sample(tokenizer, sample, train_on_prompt, max_length, truncation, i) \
+            if max_length is not None and len(whole["input_ids"]) > max_length else whole
+        cut = len(whole["input_ids"]) - len(out["input_ids"])
+        self.truncated, self.cut_tokens = self.truncated + bool(cut), self.cut_tokens + cut
+        labelled = sum(t != IGNORE_INDEX for t in out["labels"][1:])  # the next-token targets the loss counts
+        if not labelled:
+            self.dropped += 1
+            return
+        self.labelled += labelled
+        self.samples.append({k: torch.tensor(v, dtype=torch.long) for k, v in out.items()})
+
+    def _add_pair(self, tokenizer, sample, i, max_length, truncation) -> None:
+        whole = tokenize_pair(tokenizer, sample, index=i)
+        out = tokenize_pair(tokenizer, sample, max_length, truncation, i) if max_length is not None else whole
+        cut = sum(len(whole[k]) - len(out[k]) for k in whole)
+        self.truncated, self.cut_tokens = self.truncated + bool(cut), self.cut_tokens + cut
+        if not out["chosen_ids"] or not out["rejected_ids"]:
+            self.dropped += 1
+            return
+        self.labelled += len(out["chosen_ids"]) + len(out["rejected_ids"])
+        self.samples.append({**out, "index": len(self.samples)})  # its place in this set, for what is kept per pair
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        return self.samples[index]
+
+
+def _kind_name(kind: str | None) -> str:
+    return {"messages": "chat", "prompt_completion": "prompt/completion", "preference": "preference",
+            "text": "text"}.get(kind, "token (not text)")
+
+
+def set_kind_of(dataset) -> str | None:
+    """The kind of a map-style set's text samples (its first sample's), or None: not text, a stream, or empty."""
+    if dataset is None or is_stream(dataset) or not hasattr(dataset, "__getitem__") or not len(dataset):
+        return None
+    return sample_kind(dataset[0], 0)
+
+
+class TextSets:
+    """Where a run's data is built, before packing: `(train, eval) -> (train, eval)`, their text samples tokenized
+    with the run's tokenizer and options (sets that are not text pass as they are). Afterwards `kind` is the text
+    kind (None: the data was not text), `collate` the padding collate of unpacked SFT data, `note` what the start
+    line says."""
+
+    def __init__(self, tokenizer, cfg: TrainConfig):
+        self.tokenizer, self.cfg = tokenizer, cfg
+        self.kind: str | None = None
+        self.note: str | None = None
+        self.sets: list[Tokenized] = []
+
+    def __call__(self, train, eval_, name: str):
+        kind = set_kind_of(train)
+        if kind is None:
+            return train, eval_
+        cfg, self.kind = self.cfg, kind
+        self.sets = [Tokenized(s, self.tokenizer, kind, cfg.train_on_prompt, cfg.max_length, cfg.truncation)
+                     for s in (train, eval_) if s is not None]
+        if not len(self.sets[0]):
+            raise ConfigError(f"the training set of {name} has no sample left with a token to learn (each was cut "
+                              f"to --max-length {cfg.max_length} before its completion)")
+        self.note = self._note(name)
+        return self.sets[0], self.sets[1] if len(self.sets) > 1 else None
+
+    def collate(self) -> Callable | None:
+        """The padding collate for unpacked SFT text data (None: not text data, or packed, or preference pairs)."""
+        if self.kind in (None, "preference") or self.cfg.pack is not None:
+            return None
+        return pad_collate(pad_id(self.tokenizer))
+
+    def _note(self, name: str) -> str:
+        train = self.sets[0]
+        what = {"messages": "the assistant's tokens", "prompt_completion": "the completions' tokens",
+                "text": "every token", "preference": "chosen and rejected completions"}[self.kind]
+        if self.cfg.train_on_prompt and self.kind != "preference":
+            what = "every token (--train-on-prompt)"
+        note = (f"{name}: {len(train)} {_kind_name(self.kind)} samples tokenized, the loss on {what} "
+                f"({train.labelled:,} labelled tokens)")
+        truncated = sum(s.truncated for s in self.sets)
+        if truncated:
+            note += (f"; {truncated} cut to --max-length {self.cfg.max_length} "
+                     f"({sum(s.cut_tokens for s in self.sets):,} tokens cut)")
+        dropped = sum(s.dropped for s in self.sets)
+        if dropped:
+            note += f"; {dropped} dropped, with no token to learn left"
+        return note
+
+
+def text_sets(cfg: TrainConfig, tokenizer=None) -> TextSets:
+    """How the run's text becomes tokens: with `tokenizer` (fit's object) or the one --tokenizer names, loaded here
+    before the data is built, its chat template replaced by --chat-template's."""
+    if tokenizer is None and cfg.tokenizer:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    if cfg.chat_template is not None and tokenizer is None:
+        raise ConfigError("--chat-template applies with --tokenizer (or fit(tokenizer=...)): the template is the "
+                          "tokenizer's")
+    return TextSets(load_chat_template(tokenizer, cfg.chat_template), cfg)
+
+
+def pad_id(tokenizer) -> int:
+    """The padding token: the tokenizer's pad token, else its EOS token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ConfigError("the tokenizer has neither a pad token nor an EOS token to pad batches with")
+    return pad
+
+
+def load_chat_template(tokenizer, path: str | None):
+    """The tokenizer with the Jinja chat template of the file `path` (a copy: the caller's keeps its own)."""
+    if path is None or tokenizer is None:
+        return tokenizer
+    import copy
+
+    try:
+        template = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path}: cannot be read ({first_line(e)})") from None
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------------- collates
+
+
+def pad_collate(pad_id: int) -> Callable:
+    """SFT samples `{"input_ids", "labels"}` of any lengths as one batch, right padded to the longest: `input_ids`
+    (`pad_id`), `labels` (-100), `attention_mask` (1 on the real tokens)."""
+
+    def collate(samples: list) -> dict[str, torch.Tensor]:
+        length = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        mask = torch.zeros_like(ids)
+        for row, sample in enumerate(samples):
+            n = len(sample["input_ids"])
+            ids[row, :n] = torch.as_tensor(sample["input_ids"])
+            labels[row, :n] = torch.as_tensor(sample["labels"] if "labels" in sample else sample["input_ids"])
+            mask[row, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return collate
+
+
+def preference_collate(pad_id: int, max_length: int | None = None) -> Callable:
+    """Preference pairs (`tokenize_pair`'s) as TRL's DataCollatorForPreference batches them: `input_ids` [2B, T], the
+    B chosen rows (prompt + chosen) then the B rejected rows, right padded; `attention_mask`; `completion_mask` (1 on
+    the completion's tokens); each row kept from its start to `max_length`. Plus `index` [B] when the pairs carry
+    one, and `ref_chosen_logps`/`ref_rejected_logps` [B] when they carry those."""
+
+    def collate(samples: list) -> dict[str, torch.Tensor]:
+        rows = []
+        for key in ("chosen_ids", "rejected_ids"):
+            for s in samples:
+                prompt, completion = list(s["prompt_ids"]), list(s[key])
+                rows.append((prompt + completion, [0] * len(prompt) + [1] * len(completion)))
+        rows = [(ids[:max_length], mask[:max_length]) for ids, mask in rows]
+        length = max(len(ids) for ids, _ in rows)
+        ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+        attention, completion = torch.zeros_like(ids), torch.zeros_like(ids)
+        for row, (seq, mask) in enumerate(rows):
+            ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attention[row, :len(seq)] = 1
+            completion[row, :len(seq)] = torch.tensor(mask, dtype=torch.long)
+        batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+        if "index" in samples[0]:
+            batch["index"] = torch.tensor([int(s["index"]) for s in samples], dtype=torch.long)
+        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+            if key in samples[0]:
+                batch[key] = torch.tensor([float(s[key]) for s in samples])
+        return batch
+
+    return collate

@@ -1,0 +1,197 @@
+"""Preference pairs trained with DPO (`--objective dpo`, Rafailov et al. 2023) on the run's own loop: the workload's
+forward, loss, metrics and collate, as TRL 1.16's DPOTrainer computes them (its sigmoid loss, `beta` 0.1 by default).
+
+A batch holds B pairs as 2B rows (chat.preference_collate: the chosen rows, then the rejected ones). Each row's
+log-probability is the sum over its completion's tokens of log p(token | what precedes it), in float32. The
+reference's come from the frozen starting weights: with LoRA the same model with its adapters switched off (no second
+copy), otherwise a frozen copy taken once the starting weights are in place (after --init-from, before the first step;
+a resume copies the model as built, with --init-from's weights loaded again). The loss returns (sum over the pairs,
+pairs), so the loop divides by the pairs of the whole global batch: exact over processes and accumulation. What users
+read, per pair: `rewards_chosen` and `rewards_rejected` (beta x the log-probability ratio to the reference),
+`reward_margin` (their difference) and `reward_accuracy` (the share of pairs whose chosen reward is the higher), in
+metrics.jsonl at each log step and at every evaluation.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError, TrainConfig
+from ..workload.components import Workload
+from ..workload.losses import Loss, no_cache
+from .chat import Tokenized, pad_id, preference_collate
+
+PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
+FIGURES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+
+
+def sequence_logps(model, batch: Mapping) -> torch.Tensor:
+    """Per row of `batch` (input_ids, attention_mask, completion_mask): the sum over its completion's tokens of
+    log p(token | the tokens before it), in float32."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    logits = model(**inputs, **no_cache(model, inputs)).logits[:, :-1].float()
+    targets = batch["input_ids"][:, 1:]
+    per_token = logits.gather(2, targets[..., None]).squeeze(2) - logits.logsumexp(-1)
+    return (per_token * batch["completion_mask"][:, 1:]).sum(1)
+
+
+def unwrapped(model):
+    """The model inside DDP's, DeepSpeed's and torch.compile's wrappers (the forward is given the prepared one)."""
+    for _ in range(3):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
+    return model
+
+
+class Reference:
+    """Where the reference log-probabilities come from: `adapter` (the trained model with its LoRA adapters off) or
+    `copy` (a frozen copy of the starting weights, set by `start`). Before `start` (the first-sample check and the
+    count of FLOPs, on the model as built) the model itself is its own reference."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.started = False
+        self.copy: torch.nn.Module | None = None
+
+    def logps(self, model, batch: Mapping) -> torch.Tensor:
+        device = batch["input_ids"].device
+        with torch.no_grad():
+            if self.mode == "adapter" and self.started:
+                base = unwrapped(model)
+                with base.disable_adapter(), _evaluating(base):
+                    return sequence_logps(base, batch)
+            if self.copy is None or device.type == "meta":  # FLOPs counted on the meta device: the same forward
+                return sequence_logps(model, batch)
+            if next(self.copy.parameters()).device != device:
+                self.copy.to(device)  # once: the copy stays where it was made until the first step needs it
+            return sequence_logps(self.copy, batch)
+
+
+@contextmanager
+def _evaluating(module: torch.nn.Module):
+    """The reference without dropout (as TRL's, whose disable_dropout is on by default)."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
+
+
+class DPOForward:
+    """forward(model, batch) -> (outputs, None): the four log-probabilities of the batch's pairs, [B] each."""
+
+    def __init__(self, reference: Reference):
+        self.reference = reference
+
+    def __call__(self, model, batch: Mapping):
+        chosen, rejected = sequence_logps(model, batch).chunk(2)
+        ref_chosen, ref_rejected = self.reference.logps(model, batch).chunk(2)
+        return {"chosen_logps": chosen, "rejected_logps": rejected,
+                "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}, None
+
+
+def rewards(outputs: Mapping, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta x log(policy / reference) of the chosen and of the rejected completions, [B] each."""
+    return (beta * (outputs["chosen_logps"] - outputs["ref_chosen_logps"]),
+            beta * (outputs["rejected_logps"] - outputs["ref_rejected_logps"]))
+
+
+def dpo_loss(beta: float = 0.1) -> Callable:
+    """loss(outputs, targets) -> Loss(sum over the pairs of -log sigmoid(chosen reward - rejected reward), the
+    number of pairs, the figures summed over the pairs)."""
+
+    def loss(outputs, targets) -> Loss:
+        chosen, rejected = rewards(outputs, beta)
+        per_pair = -F.logsigmoid(chosen - rejected)
+        c, r = chosen.detach(), rejected.detach()
+        parts = {"rewards_chosen": c.sum(), "rewards_rejected": r.sum(), "reward_margin": (c - r).sum(),
+                 "reward_accuracy": (c > r).float().sum()}
+        return Loss(per_pair.sum(), torch.tensor(per_pair.numel(), device=per_pair.device), parts)
+
+    loss.__name__ = "dpo"
+    return loss
+
+
+def dpo_metrics(beta: float = 0.1) -> dict[str, Callable]:
+    """The figures per pair, for evaluation (which averages them over every pair once)."""
+
+    def figure(name: str) -> Callable:
+        def metric(outputs, targets) -> torch.Tensor:
+            c, r = (x.detach() for x in rewards(outputs, beta))
+            return {"rewards_chosen": c, "rewards_rejected": r, "reward_margin": c - r,
+                    "reward_accuracy": (c > r).float()}[name]
+
+        metric.__name__ = name
+        return metric
+
+    return {name: figure(name) for name in FIGURES}
+
+
+def objective(cfg: TrainConfig, job: Workload) -> None:
+    """--objective: with dpo, the workload's forward, loss, metrics and (unless the user gave one) collate become
+    DPO's; preference pairs with --objective lm, and other data with dpo, are one line."""
+    if isinstance(job.forward, DPOForward):  # set already (the same workload set up again)
+        return
+    pairs = _holds_pairs(job, look=cfg.objective == "dpo")
+    if cfg.objective != "dpo":
+        if pairs:
+            raise ConfigError(f"{job.dataset_name} holds preference pairs (prompt, chosen, rejected): they train with "
+                              "--objective dpo (fit(..., objective='dpo'))")
+        if cfg.dpo_beta != 0.1 or cfg.dpo_reference != "auto":
+            raise ConfigError(f"--{'dpo-beta' if cfg.dpo_beta != 0.1 else 'dpo-reference'} applies with --objective dpo")
+        return
+    if not cfg.dpo_beta > 0:
+        raise ConfigError(f"--dpo-beta must be positive, got {cfg.dpo_beta}")
+    given = [what for what, value in (("--loss", job.loss or cfg.loss), ("--forward", job.forward)) if value is not None]
+    if given:
+        raise ConfigError(f"--objective dpo computes its own forward and loss; leave {given[0]} out")
+    sft_text = isinstance(job.data.train, Tokenized) and job.data.train.kind != "preference"  # padded by chat.py
+    if job.collate is None or sft_text:
+        if not pairs:
+            raise ConfigError(f"--objective dpo trains on preference pairs (prompt, chosen and rejected, as text or chat "
+                              f"messages), and {job.dataset_name}'s samples are not such pairs")
+        job.collate = preference_collate(pad_id(job.tokenizer) if job.tokenizer is not None else 0, cfg.max_length)
+    mode = cfg.dpo_reference if cfg.dpo_reference != "auto" else "adapter" if cfg.lora else "copy"
+    if mode == "adapter" and not (cfg.lora or hasattr(job.model, "disable_adapter")):
+        raise ConfigError("--dpo-reference adapter is the model with its LoRA adapters switched off: give --lora RANK "
+                          "(or a peft model)")
+    job.forward, job.loss = DPOForward(Reference(mode)), dpo_loss(cfg.dpo_beta)
+    job.loss_name = "dpo"
+    job.metrics = {**dpo_metrics(cfg.dpo_beta), **(job.metrics or {})}
+
+
+def start(forward, model: torch.nn.Module, reload: Callable | None = None) -> None:
+    """Once the starting weights are in place (--init-from, --lora), before anything trains: the reference is
+    fixed (a frozen copy of `model`, which `reload` gives --init-from's weights again on a resume)."""
+    if not isinstance(forward, DPOForward):
+        return
+    reference = forward.reference
+    if reference.mode == "adapter" and not hasattr(unwrapped(model), "disable_adapter"):
+        raise ConfigError("--dpo-reference adapter: the model has no LoRA adapters to switch off; give --lora RANK")
+    if reference.mode == "copy":
+        reference.copy = copy.deepcopy(unwrapped(model)).eval().requires_grad_(False)
+        if reload is not None:
+            reload(reference.copy)
+    reference.started = True
+
+
+def _holds_pairs(job: Workload, look: bool) -> bool:
+    """Whether the training set's samples are tokenized preference pairs: the run's text tokenized as pairs, or (with
+    `look`) a map-style set whose first sample is one. Other sets are not read here (a sample that cannot be read is
+    --skip-bad-samples' to handle, in the loop)."""
+    train = job.data.train
+    if isinstance(train, Tokenized):
+        return train.kind == "preference"
+    if not look or job.data.kind.train.stream or train is None or not len(train):
+        return False
+    sample = train[0]
+    return isinstance(sample, Mapping) and all(k in sample for k in PAIR_KEYS)

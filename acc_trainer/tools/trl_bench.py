@@ -1,0 +1,404 @@
+"""`acc-trainer bench-lm` on chat data and preference pairs: acc_trainer against TRL's SFTTrainer (supervised
+fine-tuning on chat messages) and DPOTrainer (DPO on prompt/chosen/rejected pairs), the trainers a fine-tuner would
+pick instead (docs/language-models.md#speed-against-trl).
+
+lm_bench.main hands a workload over here when its samples are text (chat messages, prompt/completion, text) or its
+objective is DPO. Both loops get the same model (built from the same factory and seed), the same samples, the same
+--max-length (kept from the start), the same per-process and global batch, the same steps, AdamW at a constant
+learning rate with the same clipping, and the same precision; each runs in a launch of its own (`accelerate launch
+--multi_gpu` for several processes), in rotating order within each repeat. TRL gets what makes it train the same
+thing: `assistant_only_loss=True` for messages (acc_trainer's loss is on the assistant's tokens by default), packing
+and padding-free off, `bf16=False` unless --mixed-precision bf16 and `gradient_checkpointing=False` (TRL's configs turn
+both on by default), the AdamW implementation acc_trainer runs (fused with --fused-optimizer, TRL's default, else
+foreach), whole batches only, and for DPO the same beta and a frozen copy of the starting model as `ref_model`
+(acc_trainer's reference without LoRA), run on each batch.
+
+Both loops are measured by the same code, in their own processes (`Counter`): a forward pre-hook on the model counts
+the tokens of every training forward (one that builds a graph: a reference model's forward does not), and a global
+post-hook of torch's optimizers takes the clock (wall and CPU) at each optimizer step. Each process writes what it
+trained with (precision, checkpointing, dropout, threads, the optimizer: the bench refuses to compare loops that
+differ) and one line per step (`bench-steps-rank<R>.jsonl`: step, time, CPU time, tokens, samples); the harness reads
+those logs: the tokens of every process in the steps after --warmup, over rank 0's seconds between the end of step
+--warmup and the end of the last (and over every process's CPU seconds in them).
+Tokens: for supervised fine-tuning the labelled next tokens (the tokens the loss counts), for DPO the non-padding
+tokens of the chosen and rejected sequences (samples: pairs).
+
+    cd examples && acc-trainer bench-lm --config stdlib_sft_bench.yaml --processes 1,2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..config import ConfigError, TrainConfig
+
+LOOPS = ("acc_trainer", "trl")
+STEPS_LOG = "bench-steps-rank{rank}.jsonl"
+
+
+def mode_of(cfg: TrainConfig) -> str | None:
+    """"sft" for text samples, "dpo" for the DPO objective, None for anything else (token blocks: lm_bench's)."""
+    if cfg.objective == "dpo":
+        return "dpo"
+    from ..language.chat import sample_kind
+
+    train = samples(cfg)
+    first = train[0] if hasattr(train, "__getitem__") and len(train) else None
+    kind = sample_kind(first) if first is not None else None
+    if kind == "preference":
+        raise ConfigError("bench-lm: preference pairs train with --objective dpo")
+    return "sft" if kind is not None else None
+
+
+def titles(mode: str) -> dict[str, str]:
+    return {"acc_trainer": "acc_trainer", "trl": "TRL SFTTrainer" if mode == "sft" else "TRL DPOTrainer"}
+
+
+def samples(cfg: TrainConfig) -> list:
+    """The training samples as --dataset gives them (a factory's or files'), before any tokenization."""
+    from ..config import is_data_path
+    from ..data.datasets import DATASETS
+    from ..data.user_data import read_files
+    from ..workload.components import call_factory, import_object
+
+    if cfg.dataset in DATASETS:
+        return []
+    args = dict(cfg.dataset_args or {})
+    made = read_files(cfg.dataset, args) if is_data_path(cfg.dataset) else call_factory(
+        import_object(cfg.dataset, "--dataset"), args, {"config": cfg, "seed": cfg.seed}, f"dataset factory {cfg.dataset}")
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        return []  # a built-in set or a Data object: not text samples
+    return [made[0][i] for i in range(len(made[0]))]
+
+
+def workload(cfg: TrainConfig):
+    """(model, train samples, tokenizer) as both loops get them: the model from its factory after seeding with
+    --seed (the same weights in every loop and process), the samples from the dataset."""
+    import torch
+
+    from ..language.pretrained import load_tokenizer
+    from ..workload.components import call_factory, import_object
+
+    train = samples(cfg)
+    torch.manual_seed(cfg.seed)
+    model = call_factory(import_object(cfg.model, "--model"), dict(cfg.model_args or {}), {}, cfg.model)
+    return model, train, load_tokenizer(cfg.tokenizer)
+
+
+# ---------------------------------------------------------------------- what each process measures
+
+
+class Counter:
+    """The tokens of each training forward of `model`, and the clock at each optimizer step, written by each process
+    to `folder`/bench-steps-rank<R>.jsonl. The counts stay tensors until the end (no device sync per step); on a GPU
+    the clock syncs at the two steps that bound the timing."""
+
+    def __init__(self, model, mode: str, warmup: int, steps: int):
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.mode, self.bounds = mode, (warmup, steps)
+        self.forwards: list = []  # (tokens, samples) of the forwards since the last step
+        self.records: list[dict] = []
+        self.setup: dict | None = None
+        self.cuda = torch.cuda.is_available()
+        model.register_forward_pre_hook(self._forward, with_kwargs=True)
+        self._handle = register_optimizer_step_post_hook(self._step)
+
+    def _forward(self, module, args, kwargs) -> None:
+        import torch
+
+        if not (module.training and torch.is_grad_enabled()):  # evaluation, or a reference model's forward
+            return
+        if self.setup is None:  # what both loops must share, read where it acts
+            device = next(module.parameters()).device.type
+            self.setup = {"autocast": torch.is_autocast_enabled(device) and str(torch.get_autocast_dtype(device)),
+                          "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False)),
+                          "dropout": any(m.p > 0 for m in module.modules() if isinstance(m, torch.nn.Dropout)),
+                          "threads": torch.get_num_threads()}
+        if self.mode == "sft":
+            labels = kwargs["labels"]
+            self.forwards.append(((labels[:, 1:] != -100).sum(), labels.shape[0]))
+        else:  # chosen and rejected rows together (or one forward each): pairs are half the rows
+            mask = kwargs["attention_mask"]
+            self.forwards.append((mask.sum(), mask.shape[0] / 2))
+
+    def _step(self, optimizer, args, kwargs) -> None:
+        import torch
+
+        if self.cuda and len(self.records) + 1 in self.bounds:
+            torch.cuda.synchronize()
+        if not self.records:
+            group = optimizer.param_groups[0]
+            self.setup = {**(self.setup or {}), "optimizer": type(optimizer).__name__, "lr": group["lr"],
+                          "weight_decay": group["weight_decay"], "betas": list(group["betas"]),
+                          "implementation": "fused" if group.get("fused") else "foreach" if group.get("foreach")
+                          else "for-loop"}
+        self.records.append({"step": len(self.records) + 1, "time": time.perf_counter(), "cpu": time.process_time(),
+                             "forwards": self.forwards})
+        self.forwards = []
+
+    def write(self, folder: Path, rank: int) -> None:
+        self._handle.remove()
+        lines = [json.dumps({"step": r["step"], "time": r["time"], "cpu": r["cpu"],
+                             "tokens": int(sum(int(t) for t, _ in r["forwards"])),
+                             "samples": sum(s for _, s in r["forwards"])}) for r in self.records]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / STEPS_LOG.format(rank=rank)).write_text("\n".join([json.dumps({"setup": self.setup}), *lines]) + "\n")
+
+
+def logged_window(folder: Path, warmup: int, steps: int) -> dict:
+    """A run's speed from its processes' step logs: the tokens (and samples) of every process in steps warmup+1 ..
+    steps, over rank 0's seconds from the end of step `warmup` to the end of step `steps`, and over the CPU seconds
+    every process spent in them (`time.process_time`: the work, not the waits for a core another job holds); the
+    warm-up's seconds from the end of step 1."""
+    logs = sorted(folder.glob(STEPS_LOG.format(rank="*")), key=lambda p: int(p.stem.rpartition("rank")[2]))
+    per_rank = [[json.loads(line) for line in p.read_text().splitlines()] for p in logs]
+    setup = per_rank[0][0]["setup"]
+    per_rank = [records[1:] for records in per_rank]
+    for records in per_rank:
+        if [r["step"] for r in records] != list(range(1, len(records) + 1)) or len(records) != steps:
+            raise RuntimeError(f"{folder}: the step log has {len(records)} steps, not {steps}")
+    clock = {r["step"]: r["time"] for r in per_rank[0]}
+    timed = [r for records in per_rank for r in records if warmup < r["step"] <= steps]
+    seconds = clock[steps] - clock[warmup]
+    tokens, samples = sum(r["tokens"] for r in timed), sum(r["samples"] for r in timed)
+    cpu = sum(records[steps - 1]["cpu"] - records[warmup - 1]["cpu"] for records in per_rank)
+    return {"tokens": tokens, "samples": samples, "time_s": seconds, "tokens_per_s": tokens / seconds,
+            "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu,
+            "samples_per_s": samples / seconds, "warmup_s": clock[warmup] - clock[1], "world_size": len(per_rank),
+            "setup": setup}
+
+
+# ---------------------------------------------------------------------- the two loops
+
+
+def acc_trainer_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: str) -> tuple:
+    """acc_trainer's fit() on the samples, as its command line runs it (with its allocator setting, cli.main's)."""
+    from ..patches import keep_freed_memory
+    from ..training.api import fit
+
+    keep_freed_memory()
+    model, train, tokenizer = workload(cfg)
+    counter = Counter(model, mode, warmup, steps)
+    run_cfg = replace(cfg, max_steps=steps, output_dir=output_dir, plots=False, progress="plain")
+    summary = fit(model, train, None, tokenizer=tokenizer, config=run_cfg)
+    return counter, summary["world_size"]
+
+
+def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: str) -> tuple:
+    """TRL's SFTTrainer or DPOTrainer on the same samples, set up as TRL's documentation does for a model object,
+    with the options above."""
+    import torch
+    from datasets import Dataset
+
+    model, train, tokenizer = workload(cfg)
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if mode == "dpo" else None  # before TRL patches it
+    counter = Counter(model, mode, warmup, steps)
+    use_cpu = cfg.cpu or not torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    common = dict(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=cfg.batch_size // world // cfg.grad_accum,
+        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=cfg.max_grad_norm or 0.0,
+        logging_steps=cfg.log_every, save_strategy="no", eval_strategy="no", report_to="none", seed=cfg.seed,
+        use_cpu=use_cpu, ddp_backend="gloo" if use_cpu and world > 1 else None,
+        dataloader_num_workers=cfg.num_workers or 0, dataloader_drop_last=True,  # acc_trainer's batches are whole
+        bf16=cfg.mixed_precision == "bf16", fp16=cfg.mixed_precision == "fp16", max_length=cfg.max_length,
+        gradient_checkpointing=False)  # TRL's configs turn it on by default; acc_trainer keeps the activations
+    # AdamW as acc_trainer runs it: fused with --fused-optimizer (TRL's own default, adamw_torch_fused), else foreach
+    same_adamw = None if cfg.fused_optimizer else (torch.optim.AdamW, {"lr": cfg.lr, "foreach": True})
+    if mode == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        messages = "messages" in train[0]  # prompt/completion: TRL's completion-only loss (its default) does it
+        args = SFTConfig(**common, assistant_only_loss=messages and not cfg.train_on_prompt,
+                         completion_only_loss=False if cfg.train_on_prompt else None, packing=False, padding_free=False)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train), processing_class=tokenizer)
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        args = DPOConfig(**common, beta=cfg.dpo_beta, precompute_ref_log_probs=False)
+        trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(train),
+                             processing_class=tokenizer)
+    trainer.optimizer_cls_and_kwargs = same_adamw  # read when train() builds the optimizer (DPOTrainer takes no argument)
+    trainer.train()
+    return counter, trainer.args.world_size
+
+
+# ---------------------------------------------------------------------- the harness
+
+
+def run_loop(loop: str, processes: int, cfg: TrainConfig, mode: str, args, folder: Path) -> dict:
+    """One launch of one loop; returns its logged window (tokens, samples, seconds) and its wall time."""
+    from .bench import _free_port
+
+    launch = [sys.executable] if processes == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+        "--main_process_port", str(_free_port())]
+    run_dir = folder / f"{mode}-{loop}-{processes}p-{time.time_ns()}"
+    module = ["-m", __name__, "--loop", loop, "--mode", mode, "--steps", str(args.steps), "--warmup",
+              str(args.warmup), "--output-dir", str(run_dir),
+              "--config", json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None})]
+    started = time.perf_counter()
+    result = subprocess.run(launch + module, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.perf_counter() - started
+    if result.returncode != 0 or "TRL_BENCH done" not in result.stdout:
+        raise RuntimeError(f"{titles(mode)[loop]} on {processes} process(es) failed:\n{result.stderr[-3000:]}")
+    measured = logged_window(run_dir, args.warmup, args.steps)
+    if measured["world_size"] != processes:
+        raise RuntimeError(f"{titles(mode)[loop]} launched on {processes} processes ran as {measured['world_size']}")
+    return {**measured, "wall_s": wall, "run_dir": str(run_dir)}
+
+
+def check_alike(runs: dict[str, list[dict]]) -> None:
+    """Every run on as many processes trained alike (a comparison of different computations would mean nothing); the
+    threads a process may differ between process counts (the launcher sets one a process)."""
+    for n in {name.split("@")[1] for name in runs}:
+        mine = {name: measured for name, measured in runs.items() if name.endswith(f"@{n}")}
+        if len({json.dumps(m["setup"], sort_keys=True) for measured in mine.values() for m in measured}) != 1:
+            raise RuntimeError("the loops did not train alike (precision, checkpointing, dropout, threads, optimizer):\n"
+                               + "\n".join(f"{name}: {measured[0]['setup']}" for name, measured in mine.items()))
+
+
+def summarise(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per (loop, processes): the median tokens/s and samples/s over repeats; on TRL's rows acc_trainer's
+    median over TRL's (`ratio`) and, repeat by repeat, acc_trainer's run over TRL's run (`ratios`, their median)."""
+    rows = []
+    for name, measured in runs.items():
+        loop, n = name.split("@")
+        speeds = [m["tokens_per_s"] for m in measured]
+        rows.append({"loop": loop, "processes": int(n), "tokens_per_s": statistics.median(speeds),
+                     "tokens_per_s_all": speeds, "samples_per_s": statistics.median(m["samples_per_s"] for m in measured),
+                     "tokens_per_cpu_s": statistics.median(m["tokens_per_cpu_s"] for m in measured), "cpu_ratio": None,
+                     "warmup_s": statistics.median(m["warmup_s"] for m in measured), "repeats": len(speeds),
+                     "ratio": None, "ratios": None, "ratios_median": None})
+    ours = {r["processes"]: r for r in rows if r["loop"] == "acc_trainer"}
+    for r in rows:
+        mine = ours.get(r["processes"])
+        if r["loop"] != "acc_trainer" and mine:
+            r["ratio"] = mine["tokens_per_s"] / r["tokens_per_s"]
+            r["cpu_ratio"] = mine["tokens_per_cpu_s"] / r["tokens_per_cpu_s"]
+            r["ratios"] = [a / b for a, b in zip(mine["tokens_per_s_all"], r["tokens_per_s_all"])]
+            r["ratios_median"] = statistics.median(r["ratios"])
+    return rows
+
+
+def setup_text(setup: dict, threads: dict[int, int]) -> str:
+    precision = f"autocast to {setup['autocast'].removeprefix('torch.')}" if setup["autocast"] else "float32, no autocast"
+    each = ", ".join(f"{t} on {n} process(es)" for n, t in sorted(threads.items()))
+    return (f"{precision}, gradient checkpointing {'on' if setup['gradient_checkpointing'] else 'off'}, dropout "
+            f"{'on' if setup['dropout'] else 'off'}, threads a process: {each}, {setup['optimizer']} "
+            f"({setup['implementation']}) at lr {setup['lr']:g}, weight decay {setup['weight_decay']:g}")
+
+
+def markdown(rows: list[dict], cfg: TrainConfig, mode: str, args, machine: str, load: str, setup: dict,
+             threads: dict[int, int]) -> str:
+    what = "labelled next tokens" if mode == "sft" else "non-padding tokens of chosen + rejected"
+    per = "samples/s" if mode == "sft" else "pairs/s"
+    lines = [f"# bench-lm ({'supervised fine-tuning' if mode == 'sft' else 'DPO'}): {cfg.model} on {cfg.dataset}, "
+             f"global batch {cfg.batch_size}, --max-length {cfg.max_length}, {args.steps} steps ({args.warmup} of "
+             f"warm-up not timed), precision {cfg.mixed_precision or 'no'}", "",
+             f"Machine: {machine}; {load}. Median of {args.repeats} runs per loop, in rotating order.", "",
+             f"Both loops, as read in their processes: {setup_text(setup, threads)}.", "",
+             f"| loop | processes | tokens/s | {per} | acc_trainer vs it | each repeat (median) | runs (tokens/s) "
+             "| tokens per CPU s | acc_trainer vs it (CPU) |",
+             "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        each = "-" if r["ratios"] is None else f"{', '.join(f'{x:.3f}' for x in r['ratios'])} ({r['ratios_median']:.3f})"
+        lines.append(f"| {titles(mode)[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['samples_per_s']:,.1f} | {ratio} | {each} | "
+                     f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} | {r['tokens_per_cpu_s']:,.0f} | "
+                     f"{'-' if r['cpu_ratio'] is None else format(r['cpu_ratio'], '.3f')} |")
+    lines += ["", f"tokens/s: {what} per second over the timed steps, every process together, from each run's own "
+              "step logs (bench-steps-rank<R>.jsonl). acc_trainer vs it: acc_trainer's median over this loop's, on as "
+              "many processes; each repeat: acc_trainer's run over this loop's run of the same repeat. Tokens per CPU "
+              "s: the same tokens over the CPU seconds of every process in the timed steps (the work itself, steadier than wall "
+              "time on a shared machine; medians, and their quotient).", ""]
+    return "\n".join(lines)
+
+
+def machine_load() -> str:
+    """The 1-minute load average and how many Python processes run (the bench's own included)."""
+    count = subprocess.run(["pgrep", "-fc", "python"], capture_output=True, text=True).stdout.strip() or "?"
+    return f"{os.getloadavg()[0]:.2f} ({count} Python processes)"
+
+
+def main(args, cfg: TrainConfig, mode: str, console) -> None:
+    """lm_bench.main's: every loop x process count, `args.repeats` times in rotating order; bench.json, bench.md."""
+    from .bench import machine_description
+
+    loops = args.loops or list(LOOPS)
+    unknown = sorted(set(loops) - set(LOOPS))
+    if unknown:
+        raise ConfigError(f"--loops on {'chat data' if mode == 'sft' else 'preference pairs'} takes "
+                          f"{', '.join(LOOPS)}, not {','.join(loops)!r}")
+    if cfg.max_length is None:
+        raise ConfigError("bench-lm on text data needs --max-length (the same truncation in both loops)")
+    folder = Path(args.bench_dir or f"runs/bench-{mode}-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = replace(cfg, output_dir=None)
+    names = [(loop, n) for n in args.processes for loop in loops]
+    load = machine_load()
+    console.print(f"acc-trainer bench-lm ({mode}) {cfg.model} on {cfg.dataset}, global batch "
+                  f"{cfg.batch_size}, {args.steps} steps, {args.repeats} repeats: "
+                  f"{', '.join(f'{k}@{n}' for k, n in names)}; load {load}", markup=False)
+    runs: dict[str, list[dict]] = {f"{k}@{n}": [] for k, n in names}
+    for repeat in range(args.repeats):
+        for loop, n in names[repeat % len(names):] + names[: repeat % len(names)]:
+            result = run_loop(loop, n, cfg, mode, args, folder / "runs")
+            runs[f"{loop}@{n}"].append(result)
+            console.print(f"  repeat {repeat + 1}/{args.repeats}  {loop:>11} x{n}: "
+                          f"{result['tokens_per_s']:>10,.0f} tokens/s", markup=False)
+    check_alike(runs)
+    rows = summarise(runs)
+    machine = machine_description()
+    load = f"1-minute load average {load} at the start, {machine_load()} at the end"
+    setup = next(iter(runs.values()))[0]["setup"]
+    threads = {int(name.split("@")[1]): measured[0]["setup"]["threads"] for name, measured in runs.items()}
+    table = markdown(rows, cfg, mode, args, machine, load, setup, threads)
+    report = {"mode": mode, "workload": cfg.to_dict(), "steps": args.steps, "warmup": args.warmup,
+              "machine": machine, "load": load, "setup": setup, "rows": rows, "runs": runs}
+    (folder / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (folder / "bench.md").write_text(table)
+    console.print(table, markup=False)
+    console.print(f"written: {folder / 'bench.json'}, {folder / 'bench.md'}", markup=False)
+
+
+def loop_main() -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
+    parser.add_argument("--loop", choices=LOOPS, required=True)
+    parser.add_argument("--mode", choices=("sft", "dpo"), required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--config", required=True, help="JSON of TrainConfig options for the workload")
+    args = parser.parse_args()
+    cfg = TrainConfig(**json.loads(args.config)).validate()
+    loop = acc_trainer_loop if args.loop == "acc_trainer" else trl_loop
+    counter, world = loop(cfg, args.mode, args.steps, args.warmup, args.output_dir)
+    counter.write(Path(args.output_dir), int(os.environ.get("RANK", "0")))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"TRL_BENCH done {json.dumps({'world_size': world})}", flush=True)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        from ..patches import leave_without_teardown
+
+        PartialState().destroy_process_group()
+        leave_without_teardown(0)  # torch 2.14's gloo may abort a finished process at exit (patches.py)
+
+
+if __name__ == "__main__":
+    loop_main()

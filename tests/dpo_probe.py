@@ -1,0 +1,77 @@
+"""DPO runs through acc_trainer.fit (--objective dpo), several in one launch of 1 or 2 processes: the tiny Llama of
+lm_probe on preference pairs of random words (text pairs, or chat pairs through the chat template), with the word-level
+tokenizer built there.
+
+    python tests/dpo_probe.py OUT_DIR [JOB ...]                                       (1 process)
+    acc-trainer launch --multi_gpu --num_processes 2 tests/dpo_probe.py OUT_DIR       (2 processes)
+    dpo_probe.run_jobs(OUT_DIR, [JOB ...])                                            (the test's own process)
+
+Each job's run folder is OUT_DIR/<job>. 21 training pairs in global batches of 8 (two steps an epoch: the last 5 are
+left out, as every run's partial last batch); 5 evaluation pairs in batches of 4, split unevenly over 2 processes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from lm_probe import TEMPLATE_PLAIN, WORDS, base_model, chat_tokenizer
+
+
+def pairs(n: int, seed: int, chat: bool = False) -> list[dict]:
+    """Preference pairs of 1 to 5 random words each (chat: one user turn, then the assistant's)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def words() -> str:
+        picks = torch.randint(0, len(WORDS), (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+        return " ".join(WORDS[i] for i in picks)
+
+    out = []
+    for _ in range(n):
+        prompt, chosen, rejected = words(), words(), words()
+        if chat:
+            out.append({"prompt": [{"role": "user", "content": prompt}],
+                        "chosen": [{"role": "assistant", "content": chosen}],
+                        "rejected": [{"role": "assistant", "content": rejected}]})
+        else:
+            out.append({"prompt": prompt, "chosen": " " + chosen, "rejected": " " + rejected})
+    return out
+
+
+COMMON = dict(objective="dpo", batch_size=8, eval_batch_size=4, max_steps=6, optimizer="sgd", lr=2.0, eval_every=3,
+              log_every=1, progress="none", plots=False)
+JOBS = {
+    "full": dict(checkpoint_every=3),  # a frozen copy of the starting weights as the reference
+    "accumulated": dict(micro_batch="2"),  # the same, 2 pairs a pass
+    "lora": dict(lora=4, chat=False),  # the reference: the model with its adapters off
+}
+
+
+def data(job: str) -> tuple[list, list]:
+    chat = JOBS[job].get("chat", True)
+    return pairs(21, 0, chat), pairs(5, 1, chat)
+
+
+def run_jobs(out: Path, names=None) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    import acc_trainer
+
+    for name in names or JOBS:
+        options = {k: v for k, v in JOBS[name].items() if k != "chat"}
+        acc_trainer.fit(base_model(), *data(name), tokenizer=chat_tokenizer(TEMPLATE_PLAIN), output_dir=str(out / name),
+                        **{**COMMON, **options})
+        GradientState._reset_state()  # the next fit's Accelerator starts from a fresh state, on the same processes
+        AcceleratorState._reset_state()
+
+
+if __name__ == "__main__":
+    run_jobs(Path(sys.argv[1]), sys.argv[2:] or None)
+    from accelerate import PartialState
+
+    from acc_trainer.patches import leave_without_teardown
+
+    # As the command line ends a finished process: torch 2.14's gloo may abort one in the interpreter's teardown.
+    PartialState().destroy_process_group()
+    leave_without_teardown(0)

@@ -1,0 +1,171 @@
+"""Chat, instruction and text data as users have them (docs/language-models.md#chat-and-instruction-data): the
+labels equal those TRL's SFTTrainer builds, token for token (completion-only loss for prompt/completion data,
+assistant-only loss for messages, with a chat template with generation blocks and one without); lists,
+`datasets.Dataset`, JSONL, parquet and save_to_disk folders train, packed or padded by the built-in collate, with
+what --max-length cuts counted; bad input is one line. 1 vs 2 processes vs accumulation on chat data:
+tests/test_language_models.py (lm_probe's chat jobs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+import lm_probe  # noqa: E402 - after the skips
+from conftest import summary  # noqa: E402
+
+from acc_trainer.config import ConfigError, TrainConfig  # noqa: E402
+from acc_trainer.data import packing  # noqa: E402
+from acc_trainer.language import chat  # noqa: E402
+
+
+def pairs(n: int, seed: int, conversational: bool) -> list[dict]:
+    """Prompt/completion pairs: a chat's last user turn (with its system message, if any) and the answer."""
+    rows = []
+    for c in lm_probe.conversations(n, seed):
+        messages = c["messages"]
+        prompt = [m for m in messages[:-1] if m["role"] == "system"] + [messages[-2]]
+        if conversational:
+            rows.append({"prompt": prompt, "completion": [messages[-1]]})
+        else:
+            rows.append({"prompt": messages[-2]["content"], "completion": " " + messages[-1]["content"]})
+    return rows
+
+
+def trl_rows(rows, tokenizer, tmp_path, **config) -> list[dict]:
+    """TRL's prepared samples (input_ids, labels) for `rows`: the SFTTrainer is built, not trained."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", max_steps=0, use_cpu=True, bf16=False,
+                     save_strategy="no", logging_strategy="no", **config)
+    trainer = SFTTrainer(model=lm_probe.base_model(), args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tokenizer)
+    return [{k: trainer.train_dataset[i][k] for k in ("input_ids", "labels")} for i in range(len(trainer.train_dataset))]
+
+
+def ours(rows, tokenizer, **options) -> chat.Tokenized:
+    return chat.TextSets(tokenizer, TrainConfig(**options))(rows, None, "rows")[0]
+
+
+def test_labels_are_trls_token_for_token(tmp_path):
+    gen, plain = lm_probe.chat_tokenizer(lm_probe.TEMPLATE_GEN), lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN)
+    messages = lm_probe.conversations(24, 3)
+    cases = [  # (what, our samples, TRL's)
+        ("prompt/completion text", ours(pairs(12, 4, False), gen), trl_rows(pairs(12, 4, False), gen, tmp_path)),
+        ("prompt/completion chat", ours(pairs(12, 5, True), plain), trl_rows(pairs(12, 5, True), gen, tmp_path)),
+    ]
+    reference = trl_rows(messages, gen, tmp_path, assistant_only_loss=True)
+    # TRL refuses assistant_only_loss for a template without generation blocks it does not know: the same template
+    # with them marks what ours must find by rendering each conversation prefix by prefix.
+    cases += [("messages, generation blocks", ours(messages, gen), reference),
+              ("messages, no generation blocks", ours(messages, plain), reference)]
+    cut = trl_rows(messages, gen, tmp_path, assistant_only_loss=True, max_length=12)
+    cases.append(("messages cut at 12 tokens", ours(messages, plain, max_length=12), cut))
+    for what, mine, theirs in cases:
+        assert [{k: s[k].tolist() for k in s} for s in mine.samples] == theirs, what
+        labelled = sum(sum(t != -100 for t in s["labels"][1:]) for s in theirs)
+        assert mine.labelled == labelled > 0, what
+        batch, trl_batch = chat.pad_collate(gen.pad_token_id)(mine.samples), trl_collate(gen, theirs)
+        assert all(torch.equal(batch[k], trl_batch[k]) for k in ("input_ids", "labels", "attention_mask")), what
+    # --max-length 12 cut 17 conversations and dropped the 2 left with none of the assistant's tokens, as TRL did
+    truncated = ours(messages, plain, max_length=12)
+    assert (truncated.truncated, truncated.dropped, len(truncated)) == (17, 2, len(cut)) == (17, 2, 24 - 2)
+    whole = ours(messages, plain)
+    assert truncated.cut_tokens == sum(len(s["input_ids"]) - 12 for s in whole.samples if len(s["input_ids"]) > 12)
+    everything = ours(pairs(12, 4, False), gen, train_on_prompt=True)
+    assert all(torch.equal(s["labels"], s["input_ids"]) for s in everything.samples)
+
+
+def trl_collate(tokenizer, rows):
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)(rows)
+
+
+def test_packed_chat_keeps_only_the_assistants_labels():
+    """--pack on chat and prompt/completion data: every labelled token is still labelled in the blocks, and no
+    other."""
+    tokenizer = lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN)
+    for tokenized in (ours(lm_probe.conversations(24, 3), tokenizer), ours(pairs(24, 4, True), tokenizer)):
+        blocks = packing.pack(tokenized, 32)
+        assert sum(int((blocks[i]["labels"] != -100).sum()) for i in range(len(blocks))) == tokenized.labelled
+        assert sorted(t for i in range(len(blocks)) for t in blocks[i]["labels"].tolist() if t != -100) == \
+            sorted(t for s in tokenized.samples for t in s["labels"][1:].tolist() if t != -100)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tokenizer folder, chats in JSONL, prompt/completion pairs in parquet, text in a save_to_disk folder."""
+    import datasets
+
+    folder = tmp_path_factory.mktemp("files")
+    lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN).save_pretrained(folder / "tokenizer")
+    (folder / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in lm_probe.conversations(32, 0)))
+    datasets.Dataset.from_list(pairs(32, 1, False)).to_parquet(str(folder / "pairs.parquet"))
+    texts = [c["messages"][-1]["content"] for c in lm_probe.conversations(48, 2)]
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": texts[:40]}),
+                         validation=datasets.Dataset.from_dict({"text": texts[40:]})).save_to_disk(folder / "texts")
+    return folder
+
+
+def test_files_of_every_kind_train_padded_or_packed(files, main_in_process, train_in_process, tmp_path):
+    """Chats from JSONL named on the command line, packed and cut at --max-length; prompt/completion pairs from
+    parquet, padded by the built-in collate; text from a save_to_disk folder with its validation split, packed."""
+    common = dict(model="lm_probe:base_model", tokenizer=str(files / "tokenizer"), batch_size=8, max_steps=2,
+                  plots=False)
+    code, _, err = main_in_process("--dataset", files / "chats.jsonl", "--pack", 32, "--max-length", 12,
+                                   "--model", common["model"], "--tokenizer", common["tokenizer"], "--batch-size", 8,
+                                   "--max-steps", 2, "--no-plots", "--progress", "none", "--output-dir",
+                                   tmp_path / "chats")
+    assert code == 0, err
+    whole = ours(lm_probe.conversations(32, 0), lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN))
+    cut = ours(lm_probe.conversations(32, 0), lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN), max_length=12)
+    note = (f"{files / 'chats.jsonl'}: {len(cut)} chat samples tokenized, the loss on the assistant's tokens "
+            f"({cut.labelled:,} labelled tokens); {cut.truncated} cut to --max-length 12 ({cut.cut_tokens:,} tokens cut); "
+            f"{cut.dropped} dropped, with no token to learn left")
+    assert note in summary(tmp_path / "chats")["notes"]
+    assert cut.labelled < whole.labelled and cut.truncated and cut.dropped
+    parquet = train_in_process(dataset=str(files / "pairs.parquet"), dataset_args={"eval": str(files / "pairs.parquet")},
+                               eval_every=1, **common)
+    assert [e["samples"] for e in parquet["evals"]] == [32, 32]
+    assert any("32 prompt/completion samples tokenized, the loss on the completions' tokens" in n for n in parquet["notes"])
+    texts = train_in_process(dataset=str(files / "texts"), pack=16, **common)
+    assert texts["evals"][-1]["samples"] > 0 and any("40 text samples tokenized" in n for n in texts["notes"])
+
+
+def test_bad_input_is_one_line(files, main_in_process, tmp_path):
+    """Each mistake in text data is a ConfigError naming the sample from Python, one line and exit 2 from the CLI."""
+    import acc_trainer
+
+    tokenizer = lm_probe.chat_tokenizer()
+    chats = lm_probe.conversations(8, 0)
+    user, answer = chats[0]["messages"][-2:]
+    mistakes = {
+        "sample 1: message 0 has the role 'narrator'": (
+            [chats[0], {"messages": [{"role": "narrator", "content": "hello"}, answer]}], tokenizer),
+        "sample 1 is a conversation with no assistant turn": ([chats[0], {"messages": [user]}], tokenizer),
+        "sample 0 holds chat messages, and the tokenizer has no chat template": (chats, lm_probe.chat_tokenizer(None)),
+        "sample 2 has an empty completion": (pairs(2, 0, False) + [{"prompt": "say", "completion": ""}], tokenizer),
+        "sample 0 is text, and the run has no tokenizer": ([{"text": "hello there"}], None),
+        "sample 0 is text, and the run has no tokenizer ": (["hello there"], None),
+        "sample 1 is a preference pair without 'rejected'": (
+            [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}], tokenizer),
+    }
+    for message, (data, given) in mistakes.items():
+        with pytest.raises(ConfigError) as raised:
+            acc_trainer.fit(lm_probe.base_model(), data, tokenizer=given, batch_size=1, max_steps=1, progress="none",
+                            output_dir=str(tmp_path / "never"))
+        assert str(raised.value).startswith(message.strip()), str(raised.value)
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(ConfigError, match="^sample 0 has 24 tokens, more than --max-length 8 "):
+        chat.tokenize_sample(tokenizer, chats[0], max_length=8, truncation="off", index=0)
+    code, out, err = main_in_process("--dataset", files / "chats.jsonl", "--model", "lm_probe:base_model",
+                                     "--tokenizer", files / "tokenizer", "--max-length", 8, "--truncation", "off")
+    assert (code, out) == (2, "")
+    assert err.startswith("acc-trainer: error: sample 0 has 24 tokens, more than --max-length 8 (--truncation off)")
+    assert err.count("\n") == 1
