@@ -12,6 +12,7 @@ left out, as every run's partial last batch); 5 evaluation pairs in batches of 4
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,9 @@ JOBS = {
     "full": dict(checkpoint_every=3),  # a frozen copy of the starting weights as the reference
     "accumulated": dict(micro_batch="2"),  # the same, 2 pairs a pass
     "lora": dict(lora=4, chat=False),  # the reference: the model with its adapters off
+    # As "full", with the model built from another seed on each process (a fit() model built without seeding): every
+    # process starts from process 0's weights, and so must its reference. On 1 process it is "full".
+    "unequal": dict(seed_by_rank=True),
 }
 
 
@@ -59,8 +63,9 @@ def run_jobs(out: Path, names=None) -> None:
     import acc_trainer
 
     for name in names or JOBS:
-        options = {k: v for k, v in JOBS[name].items() if k != "chat"}
-        acc_trainer.fit(base_model(), *data(name), tokenizer=chat_tokenizer(TEMPLATE_PLAIN), output_dir=str(out / name),
+        options = {k: v for k, v in JOBS[name].items() if k not in ("chat", "seed_by_rank")}
+        seed = int(os.environ.get("RANK", "0")) if JOBS[name].get("seed_by_rank") else 0
+        acc_trainer.fit(base_model(seed), *data(name), tokenizer=chat_tokenizer(TEMPLATE_PLAIN), output_dir=str(out / name),
                         **{**COMMON, **options})
         GradientState._reset_state()  # the next fit's Accelerator starts from a fresh state, on the same processes
         AcceleratorState._reset_state()

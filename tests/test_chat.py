@@ -130,6 +130,11 @@ def test_files_of_every_kind_train_padded_or_packed(files, main_in_process, trai
             f"{cut.dropped} dropped, with no token to learn left")
     assert note in summary(tmp_path / "chats")["notes"]
     assert cut.labelled < whole.labelled and cut.truncated and cut.dropped
+    # The counts said, from the template's own renderings: the conversations longer than 12 tokens, and what is past 12.
+    lengths = [len(lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN).apply_chat_template(c["messages"], tokenize=True,
+                                                                                         return_dict=True)["input_ids"])
+               for c in lm_probe.conversations(32, 0)]
+    assert cut.truncated == sum(n > 12 for n in lengths) and cut.cut_tokens == sum(max(0, n - 12) for n in lengths)
     parquet = train_in_process(dataset=str(files / "pairs.parquet"), dataset_args={"eval": str(files / "pairs.parquet")},
                                eval_every=1, **common)
     assert [e["samples"] for e in parquet["evals"]] == [32, 32]
@@ -145,6 +150,9 @@ def test_bad_input_is_one_line(files, main_in_process, tmp_path):
     tokenizer = lm_probe.chat_tokenizer()
     chats = lm_probe.conversations(8, 0)
     user, answer = chats[0]["messages"][-2:]
+    # A template that refuses what it cannot render (as many do), and one with a syntax error.
+    strict = lm_probe.chat_tokenizer("{{ raise_exception('roles must alternate') }}" + lm_probe.TEMPLATE_GEN)
+    broken = lm_probe.chat_tokenizer("{% for m in messages %}{{ m['content'] }")
     mistakes = {
         "sample 1: message 0 has the role 'narrator'": (
             [chats[0], {"messages": [{"role": "narrator", "content": "hello"}, answer]}], tokenizer),
@@ -155,6 +163,14 @@ def test_bad_input_is_one_line(files, main_in_process, tmp_path):
         "sample 0 is text, and the run has no tokenizer ": (["hello there"], None),
         "sample 1 is a preference pair without 'rejected'": (
             [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}], tokenizer),
+        "sample 1 has a completion of type int": (pairs(2, 0, False)[:1] + [{"prompt": "say", "completion": 5}],
+                                                  tokenizer),
+        "sample 0 has a chosen of type NoneType": ([{"prompt": "a", "chosen": None, "rejected": "c"}], tokenizer),
+        "sample 0 has no prompt, and its chosen and rejected conversations share no first turn": (
+            [{"chosen": [user, answer], "rejected": [answer]}], tokenizer),
+        "sample 0 cannot be rendered by the chat template: TemplateError: roles must alternate": (
+            chats, strict),
+        "sample 0 cannot be rendered by the chat template: TemplateSyntaxError": (chats, broken),
     }
     for message, (data, given) in mistakes.items():
         with pytest.raises(ConfigError) as raised:
@@ -169,3 +185,11 @@ def test_bad_input_is_one_line(files, main_in_process, tmp_path):
     assert (code, out) == (2, "")
     assert err.startswith("acc-trainer: error: sample 0 has 24 tokens, more than --max-length 8 (--truncation off)")
     assert err.count("\n") == 1
+    (tmp_path / "object.json").write_text(json.dumps({"data": chats}, indent=1))
+    code, out, err = main_in_process("--dataset", tmp_path / "object.json", "--model", "lm_probe:base_model",
+                                     "--tokenizer", files / "tokenizer")
+    assert (code, out, err.count("\n")) == (2, "", 1)
+    assert "object.json holds one JSON object: a .json dataset is a list of samples" in err
+    # Tokens given already, beside the text they came from: trained as given, not tokenized again.
+    given = [{"input_ids": torch.tensor([3, 5, 6, 2]), "labels": torch.tensor([3, 5, 6, 2]), **c} for c in chats]
+    assert chat.set_kind_of(given) is None

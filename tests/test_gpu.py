@@ -122,7 +122,8 @@ def test_a_batch_made_on_the_side_stream_is_waited_for_where_it_is_used():
     images = torch.randint(0, 256, (512, 3, 32, 32), dtype=torch.uint8, generator=g).cuda()
     data = InMemory(images, torch.randint(0, 10, (512,), generator=g).cuda(),
                     augment=Augment("standard", seed=1, crop="pad", size=None))
-    index = torch.arange(256, 512)
+    # Pinned: a copy from pageable memory would make the host wait for the side stream, and the test could not fail.
+    index = torch.arange(256, 512).pin_memory()
     expected = [t.clone() for t in data.__getitems__(index)]
     torch.cuda.synchronize()
 
@@ -145,12 +146,21 @@ def test_an_augmented_run_trains_the_same_with_its_batches_made_beside_the_steps
     torch.use_deterministic_algorithms(True)
     job = {"model": "mlp", "dataset": "synthetic", "augment": "standard", "train_size": 2048, "eval_size": 512,
            "batch_size": 128, "max_steps": 40}
+    made, real = [], loop.overlapped
+
+    def counted(batches, dataset, device):  # that every batch was made on the side stream
+        for batch in real(batches, dataset, device):
+            made.append(getattr(batch[0], "made_on_side", None) is not None)
+            yield batch
+
     try:
+        monkeypatch.setattr(loop, "overlapped", counted)
         beside = train_in_process(**job)
         monkeypatch.setattr(loop, "overlapped", lambda batches, dataset, device: batches)
         between = train_in_process(**job)
     finally:
         torch.use_deterministic_algorithms(False)
+    assert len(made) == 40 and all(made)
     a, b = _weights(beside), _weights(between)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert beside["eval"] == between["eval"]

@@ -109,8 +109,9 @@ def test_bench_lm_measures_the_three_loops_and_prints_their_ratios(tmp_path):
     table = {}
     for line in result.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and cells[1] == "1":
-            table[cells[0]] = (float(cells[2].replace(",", "")), cells[5], cells[6], cells[3], float(cells[4]))
+        if len(cells) == 10 and cells[1] == "1":
+            table[cells[0]] = (float(cells[2].replace(",", "")), cells[5], cells[6], cells[3], float(cells[4]),
+                               float(cells[7].replace(",", "")), cells[8])
     assert set(table) == {"acc_trainer", "Hugging Face Trainer", "plain Accelerate loop"}
     assert all(row[0] > 0 for row in table.values())
     # MFU: acc_trainer's model FLOPs per sample x samples/s over this CPU's measured matrix-multiply rate, in every
@@ -128,12 +129,21 @@ def test_bench_lm_measures_the_three_loops_and_prints_their_ratios(tmp_path):
     timed = [r["step_time_s"] for r in metrics(run) if "step_time_s" in r and r["step"] > 1]
     assert len(timed) == 2 and summary(run)["world_size"] == 1
     assert table["acc_trainer"][0] == round(2 * 8 * 63 / sum(timed))
+    # Quiet: at the lower quartile of the logged intervals' seconds a step (of two intervals of one step: the faster).
+    assert table["acc_trainer"][5] == round(8 * 63 / min(timed))
     # Each ratio printed is acc_trainer's printed figure over that loop's (to the rounding of the figures), and
-    # so is the one repeat's ratio, with itself as the median.
+    # so is the one repeat's ratio, with itself as the median; the quiet ratio is the quiet figures' quotient.
     for loop in ("Hugging Face Trainer", "plain Accelerate loop"):
-        speed, ratio, each, _, _ = table[loop]
+        speed, ratio, each, _, _, quiet, quiet_ratio = table[loop]
         assert float(ratio) == pytest.approx(table["acc_trainer"][0] / speed, abs=2e-3 + 1e-3 * float(ratio))
         assert each == f"{ratio} ({ratio})"
+        assert float(quiet_ratio) == pytest.approx(table["acc_trainer"][5] / quiet, abs=2e-3 + 1e-3 * float(quiet_ratio))
+    # The other loops' intervals: every --log-every step after the warm-up (two, of one step each), their quiet
+    # figure the faster's.
+    for row in report["rows"]:
+        (run,) = report["runs"][f"{row['loop']}@1"]
+        assert len(run["interval_step_s"]) == 2
+        assert row["quiet_tokens_per_s"] == pytest.approx(8 * 63 / min(run["interval_step_s"]))
 
 
 def summary_flops(out) -> float:

@@ -182,7 +182,7 @@ class InMemory(TensorDataset):
         return list(make_batch(fetch, index, self.prepare, self.augment))
 
     def __getitem__(self, index: int) -> tuple:
-        return tuple(t[0] for t in self.__getitems__([index]))
+        return tuple(t[0] for t in self._batch([index]))
 
     def on(self, device: torch.device, augment=None) -> "InMemory":
         """The same samples with their tensors on `device` (and `augment` for training)."""
@@ -211,12 +211,16 @@ def overlapped(batches, dataset, device: torch.device):
     if getattr(dataset, "stream", None) is None:
         dataset.stream = torch.cuda.Stream(device)
     dataset.stream.wait_stream(torch.cuda.current_stream(device))  # the set's tensors are written before it reads
-    dataset.side = dataset.stream
-    try:
-        for batch in batches:
-            yield ready(batch)
-    finally:
-        dataset.side = None
+    iterator = iter(batches)
+    while True:
+        dataset.side = dataset.stream  # only while the loader makes batches: nothing else reads the set on it
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            dataset.side = None
+        yield ready(batch)
 
 
 def ready(batch):

@@ -41,6 +41,9 @@ def _read_files(path: str) -> tuple:
             text = file.read_text()
             if file.suffix == ".json" and text.lstrip().startswith("["):
                 return json.loads(text), None
+            if file.suffix == ".json" and "\n" in text.strip() and _one_object(text):
+                raise ConfigError(f"--dataset {path} holds one JSON object: a .json dataset is a list of samples, or "
+                                  "one sample a line (JSON Lines)")
             return [_json_line(line, n, path) for n, line in enumerate(text.splitlines(), 1) if line.strip()], None
         import datasets
 
@@ -59,6 +62,15 @@ def _read_files(path: str) -> tuple:
             raise ConfigError(f"--dataset {path} has no train split (it has {', '.join(made)})")
         return made["train"], next((made[k] for k in ("validation", "test", "eval") if k in made), None)
     return made, None
+
+
+def _one_object(text: str) -> bool:
+    import json
+
+    try:
+        return isinstance(json.loads(text), Mapping)
+    except ValueError:
+        return False
 
 
 def _json_line(line: str, number: int, path: str):

@@ -20,6 +20,7 @@ samples of different lengths are batched by `pad_collate`, preference pairs by `
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,11 +41,12 @@ GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test
 
 def sample_kind(sample, index: int | None = None) -> str | None:
     """"messages", "prompt_completion", "preference" (prompt + chosen + rejected, or chosen + rejected), "text" (a
-    string, or a dict with `text`), or None for a sample that is not text (token ids, tensors: left as they are).
+    string, or a dict with `text`), or None for a sample that is not text (token ids, tensors, or a dict with
+    `input_ids` beside its text: left as they are).
     A pair without `rejected` (or without `chosen`) is one line naming the sample."""
     if isinstance(sample, str):
         return "text"
-    if not isinstance(sample, Mapping):
+    if not isinstance(sample, Mapping) or "input_ids" in sample:  # tokenized already: trained as it is
         return None
     where = _where(index)
     if "chosen" in sample or "rejected" in sample:
@@ -60,7 +62,7 @@ def sample_kind(sample, index: int | None = None) -> str | None:
             missing = "completion" if "prompt" in sample else "prompt"
             raise ConfigError(f"{where}has no {missing!r}: prompt/completion data holds both")
         return "prompt_completion"
-    if "text" in sample and isinstance(sample["text"], str) and "input_ids" not in sample:
+    if "text" in sample and isinstance(sample["text"], str):
         return "text"
     return None
 
@@ -87,8 +89,13 @@ def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, tru
     without a prompt shares its first turns (TRL's extract_prompt). `max_length`: prompt + completion kept from the
     start, or refused with `truncation="off"`."""
     sample_kind(sample, index)
+    for field in ("prompt", "chosen", "rejected"):
+        _check_field(sample, field, index)
     prompt, chosen, rejected = _explicit_prompt(sample)
     chat = isinstance(prompt, list)
+    if chat and not prompt:
+        raise ConfigError(f"{_where(index)}has no prompt, and its chosen and rejected conversations share no first turn "
+                          "to take as one: give a prompt")
     if chat != isinstance(chosen, list) or chat != isinstance(rejected, list):
         raise ConfigError(f"{_where(index)}mixes text and messages: prompt, chosen and rejected are all text or all "
                           "lists of messages")
@@ -96,12 +103,11 @@ def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, tru
         _check_template(tokenizer, index)
         for part in (prompt, chosen, rejected):
             _check_messages(part, index)
-        p = _template_ids(tokenizer, prompt, add_generation_prompt=True)
-        pc, pr = _template_ids(tokenizer, prompt + chosen), _template_ids(tokenizer, prompt + rejected)
+        p = _template_ids(tokenizer, prompt, index, add_generation_prompt=True)
+        pc, pr = _template_ids(tokenizer, prompt + chosen, index), _template_ids(tokenizer, prompt + rejected, index)
     else:
         _need_tokenizer(tokenizer, index)
-        eos = tokenizer.eos_token or ""
-        chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
+        chosen, rejected = _with_eos(tokenizer, chosen), _with_eos(tokenizer, rejected)
         p, pc, pr = (list(tokenizer(text)["input_ids"]) for text in (prompt, prompt + chosen, prompt + rejected))
     n = min(_common_prefix(p, pc), _common_prefix(p, pr))
     out = {"prompt_ids": list(p[:n]), "chosen_ids": list(pc[n:]), "rejected_ids": list(pr[n:])}
@@ -116,20 +122,26 @@ def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, tru
 def assistant_mask(tokenizer, messages: list, index: int | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, 1 on the assistant's tokens) of a conversation rendered by the tokenizer's chat template."""
     if GENERATION.search(_template_text(tokenizer)):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        with _template_errors(index):
+            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
         return list(out["input_ids"]), list(out["assistant_masks"])
-    text = _render(tokenizer, messages)
+    text = _render(tokenizer, messages, index=index)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True)  # what the model is given
-        upto = _render(tokenizer, messages[:i + 1])
+        before = _render(tokenizer, messages[:i], index=index, add_generation_prompt=True)  # what the model is given
+        upto = _render(tokenizer, messages[:i + 1], index=index)
         if not (text.startswith(upto) and upto.startswith(before)):
             raise ConfigError(f"{_where(index)}the chat template renders the conversation before message {i} "
                               f"differently once message {i} follows, so the assistant's tokens cannot be found; give "
                               "a template with {% generation %} blocks (--chat-template FILE)")
         spans.append((len(before), len(upto)))
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(f"{_where(index)}holds chat messages, and the tokenizer ({type(tokenizer).__name__}) is not a fast "
+                          "one: only a fast tokenizer maps tokens to characters, which finds the assistant's tokens "
+                          "under a template without {% generation %} blocks; give a fast tokenizer or such a template")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask, k = [], 0
     for start, end in encoded["offset_mapping"]:
@@ -155,9 +167,10 @@ def _encode(tokenizer, sample, kind: str, index: int | None) -> tuple[list[int],
     if kind == "text":
         _need_tokenizer(tokenizer, index)
         text = sample if isinstance(sample, str) else sample["text"]
-        eos = tokenizer.eos_token or ""
-        ids = list(tokenizer(text if text.endswith(eos) else text + eos)["input_ids"])
+        ids = list(tokenizer(_with_eos(tokenizer, text))["input_ids"])
         return ids, [1] * len(ids)
+    for field in ("prompt", "completion"):
+        _check_field(sample, field, index)
     prompt, completion = sample["prompt"], sample["completion"]
     if not completion or (isinstance(completion, str) and not completion.strip()):
         raise ConfigError(f"{_where(index)}has an empty completion: nothing to learn from it")
@@ -167,12 +180,11 @@ def _encode(tokenizer, sample, kind: str, index: int | None) -> tuple[list[int],
     if isinstance(prompt, list):
         _check_template(tokenizer, index)
         _check_messages(prompt + completion, index)
-        prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
-        ids = _template_ids(tokenizer, prompt + completion)
+        prompt_ids = _template_ids(tokenizer, prompt, index, add_generation_prompt=True)
+        ids = _template_ids(tokenizer, prompt + completion, index)
     else:
         _need_tokenizer(tokenizer, index)
-        eos = tokenizer.eos_token or ""
-        completion = completion if completion.endswith(eos) else completion + eos
+        completion = _with_eos(tokenizer, completion)
         prompt_ids, ids = list(tokenizer(prompt)["input_ids"]), list(tokenizer(prompt + completion)["input_ids"])
     n = _common_prefix(prompt_ids, ids)
     return ids, [0] * n + [1] * (len(ids) - n)
@@ -196,6 +208,12 @@ def _cut(ids: list[int], max_length: int | None, truncation: str, index: int | N
         raise ConfigError(f"{_where(index)}has {len(ids)} tokens, more than --max-length {max_length} (--truncation "
                           "off); raise --max-length, or let --truncation keep_start cut it")
     return list(ids[:max_length])
+
+
+def _with_eos(tokenizer, text: str) -> str:
+    """The text with the EOS token appended as text, unless it ends with it (TRL's rule)."""
+    eos = tokenizer.eos_token or ""
+    return text if text.endswith(eos) else text + eos
 
 
 def _common_prefix(a: Sequence, b: Sequence) -> int:
@@ -240,12 +258,36 @@ def _check_messages(messages, index: int | None) -> None:
                               f"{', '.join(ROLES)}")
 
 
-def _render(tokenizer, messages: list, **kwargs) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs) if messages else ""
+def _check_field(sample: Mapping, field: str, index: int | None) -> None:
+    """A prompt, completion, chosen or rejected is text or a list of messages (a prompt may be absent)."""
+    if field in sample and not isinstance(sample[field], (str, list)):
+        raise ConfigError(f"{_where(index)}has a {field} of type {type(sample[field]).__name__}: it is text or a list of "
+                          "{role, content} messages")
 
 
-def _template_ids(tokenizer, messages: list, **kwargs) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+@contextlib.contextmanager
+def _template_errors(index: int | None):
+    """The chat template's own errors (a syntax error in a --chat-template file, or the template's raise_exception:
+    "roles must alternate", "no system role") as one line naming the sample."""
+    from jinja2 import TemplateError
+
+    try:
+        yield
+    except TemplateError as e:
+        raise ConfigError(f"{_where(index)}cannot be rendered by the chat template: {type(e).__name__}: "
+                          f"{first_line(e)}") from None
+
+
+def _render(tokenizer, messages: list, index: int | None = None, **kwargs) -> str:
+    if not messages:
+        return ""
+    with _template_errors(index):
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def _template_ids(tokenizer, messages: list, index: int | None = None, **kwargs) -> list[int]:
+    with _template_errors(index):
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
 
 
 # --------------------------------------------------------------------------------------------------- the sets
@@ -253,9 +295,8 @@ def _template_ids(tokenizer, messages: list, **kwargs) -> list[int]:
 
 class Tokenized(Dataset):
     """A set of text samples tokenized once: SFT samples as `{"input_ids", "labels"}` LongTensors, preference pairs
-    as `tokenize_pair`'s lists plus `index` (the pair's place in this set: `self[i]["index"] == i`). What was cut and
-    dropped is counted (`truncated`, `cut_tokens`, `dropped`), and the labelled tokens (`labelled`; a pair's: its
-    completions')."""
+    as `tokenize_pair`'s lists. What was cut and dropped is counted (`truncated`, `cut_tokens`, `dropped`), and the
+    labelled tokens (`labelled`; a pair's: its completions')."""
 
     def __init__(self, dataset, tokenizer, kind: str, train_on_prompt: bool = False, max_length: int | None = None,
                  truncation: str = "keep_start"):
@@ -293,7 +334,7 @@ class Tokenized(Dataset):
             self.dropped += 1
             return
         self.labelled += len(out["chosen_ids"]) + len(out["rejected_ids"])
-        self.samples.append({**out, "index": len(self.samples)})  # its place in this set, for what is kept per pair
+        self.samples.append(out)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -422,8 +463,7 @@ def pad_collate(pad_id: int) -> Callable:
 def preference_collate(pad_id: int, max_length: int | None = None) -> Callable:
     """Preference pairs (`tokenize_pair`'s) as TRL's DataCollatorForPreference batches them: `input_ids` [2B, T], the
     B chosen rows (prompt + chosen) then the B rejected rows, right padded; `attention_mask`; `completion_mask` (1 on
-    the completion's tokens); each row kept from its start to `max_length`. Plus `index` [B] when the pairs carry
-    one, and `ref_chosen_logps`/`ref_rejected_logps` [B] when they carry those."""
+    the completion's tokens); each row kept from its start to `max_length`."""
 
     def collate(samples: list) -> dict[str, torch.Tensor]:
         rows = []
@@ -440,11 +480,6 @@ def preference_collate(pad_id: int, max_length: int | None = None) -> Callable:
             attention[row, :len(seq)] = 1
             completion[row, :len(seq)] = torch.tensor(mask, dtype=torch.long)
         batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
-        if "index" in samples[0]:
-            batch["index"] = torch.tensor([int(s["index"]) for s in samples], dtype=torch.long)
-        for key in ("ref_chosen_logps", "ref_rejected_logps"):
-            if key in samples[0]:
-                batch[key] = torch.tensor([float(s[key]) for s in samples])
         return batch
 
     return collate

@@ -14,9 +14,9 @@ metrics.jsonl at each log step and at every evaluation.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -31,11 +31,13 @@ PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 FIGURES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 
 
-def sequence_logps(model, batch: Mapping) -> torch.Tensor:
+def sequence_logps(model, batch: Mapping, autocast: Callable = contextlib.nullcontext) -> torch.Tensor:
     """Per row of `batch` (input_ids, attention_mask, completion_mask): the sum over its completion's tokens of
-    log p(token | the tokens before it), in float32."""
+    log p(token | the tokens before it), in float32; the model's forward under `autocast`."""
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    logits = model(**inputs, **no_cache(model, inputs)).logits[:, :-1].float()
+    with autocast():
+        logits = model(**inputs, **no_cache(model, inputs)).logits
+    logits = logits[:, :-1].float()
     targets = batch["input_ids"][:, 1:]
     per_token = logits.gather(2, targets[..., None]).squeeze(2) - logits.logsumexp(-1)
     return (per_token * batch["completion_mask"][:, 1:]).sum(1)
@@ -54,12 +56,14 @@ def unwrapped(model):
 class Reference:
     """Where the reference log-probabilities come from: `adapter` (the trained model with its LoRA adapters off) or
     `copy` (a frozen copy of the starting weights, set by `start`). Before `start` (the first-sample check and the
-    count of FLOPs, on the model as built) the model itself is its own reference."""
+    count of FLOPs, on the model as built) the model itself is its own reference. `autocast`: the run's mixed
+    precision (the Accelerator's), which `prepare` gives the policy's forward and the copy, made before it, lacks."""
 
     def __init__(self, mode: str):
         self.mode = mode
         self.started = False
         self.copy: torch.nn.Module | None = None
+        self.autocast: Callable = contextlib.nullcontext
 
     def logps(self, model, batch: Mapping) -> torch.Tensor:
         device = batch["input_ids"].device
@@ -67,23 +71,25 @@ class Reference:
             if self.mode == "adapter" and self.started:
                 base = unwrapped(model)
                 with base.disable_adapter(), _evaluating(base):
-                    return sequence_logps(base, batch)
+                    return sequence_logps(base, batch, self.autocast)
             if self.copy is None or device.type == "meta":  # FLOPs counted on the meta device: the same forward
                 return sequence_logps(model, batch)
             if next(self.copy.parameters()).device != device:
                 self.copy.to(device)  # once: the copy stays where it was made until the first step needs it
-            return sequence_logps(self.copy, batch)
+            return sequence_logps(self.copy, batch, self.autocast)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _evaluating(module: torch.nn.Module):
-    """The reference without dropout (as TRL's, whose disable_dropout is on by default)."""
-    was = module.training
+    """The adapters-off reference in evaluation mode; each module's own mode back afterwards (frozen BatchNorm layers
+    stay in evaluation mode: loop._training_mode)."""
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         yield
     finally:
-        module.train(was)
+        for m, training in modes:
+            m.training = training
 
 
 class DPOForward:
@@ -151,6 +157,9 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
         return
     if not cfg.dpo_beta > 0:
         raise ConfigError(f"--dpo-beta must be positive, got {cfg.dpo_beta}")
+    if cfg.train_on_prompt:
+        raise ConfigError("--train-on-prompt applies to supervised fine-tuning: DPO compares the completions' "
+                          "log-probabilities, never the prompt's")
     given = [what for what, value in (("--loss", job.loss or cfg.loss), ("--forward", job.forward)) if value is not None]
     if given:
         raise ConfigError(f"--objective dpo computes its own forward and loss; leave {given[0]} out")
@@ -169,19 +178,30 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
     job.metrics = {**dpo_metrics(cfg.dpo_beta), **(job.metrics or {})}
 
 
-def start(forward, model: torch.nn.Module, reload: Callable | None = None) -> None:
-    """Once the starting weights are in place (--init-from, --lora), before anything trains: the reference is
-    fixed (a frozen copy of `model`, which `reload` gives --init-from's weights again on a resume)."""
+def start(forward, model: torch.nn.Module, reload: Callable | None = None, autocast: Callable | None = None) -> list[str]:
+    """Once the starting weights are in place (--init-from, --lora, the same on every process), before anything
+    trains: the policy's dropout off, as TRL's DPOTrainer turns it off (`disable_dropout`, on by default: the
+    log-probability ratios are then those of the model, not of a random mask), and the reference fixed (a frozen copy
+    of `model`, which `reload` gives --init-from's weights again on a resume), run under `autocast` (the run's mixed
+    precision). Returns what the start line says."""
     if not isinstance(forward, DPOForward):
-        return
+        return []
     reference = forward.reference
     if reference.mode == "adapter" and not hasattr(unwrapped(model), "disable_adapter"):
         raise ConfigError("--dpo-reference adapter: the model has no LoRA adapters to switch off; give --lora RANK")
+    dropout = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    for m in dropout:
+        m.p = 0.0
     if reference.mode == "copy":
         reference.copy = copy.deepcopy(unwrapped(model)).eval().requires_grad_(False)
         if reload is not None:
             reload(reference.copy)
+    reference.autocast = autocast or contextlib.nullcontext
     reference.started = True
+    what = "the model with its LoRA adapters off" if reference.mode == "adapter" else \
+        "a frozen copy of the starting weights"
+    return [f"--objective dpo: the reference is {what}" + (f"; dropout off in {len(dropout)} layers (as TRL's "
+                                                            "DPOTrainer)" if dropout else "")]
 
 
 def _holds_pairs(job: Workload, look: bool) -> bool:

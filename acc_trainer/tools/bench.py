@@ -212,6 +212,14 @@ def variants(args, gpus: int) -> list[tuple[str, int]]:
     return out
 
 
+def launched(processes: int, module_args: list[str]) -> list[str]:
+    """The command that runs `python MODULE_ARGS` on `processes` processes (one gloo group of them on a CPU)."""
+    if processes == 1:
+        return [sys.executable, *module_args]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            "--main_process_port", str(_free_port()), *module_args]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -277,8 +285,8 @@ def run_variant(kind: str, processes: int, cfg: TrainConfig, steps: int, folder:
 def logged_window(run_dir: Path, warmup: int, batch_size: int) -> dict:
     """An acc_trainer run's speed over the steps after `warmup`, from the intervals its metrics.jsonl logged (which
     leave out the writing of the log lines, evaluation and checkpoints): samples/s, the seconds of the timed steps,
-    their step and data time (the device's wait, measure.StepGaps), the seconds the warm-up steps took, and the
-    run's model FLOPs per sample, peak memory and number of processes."""
+    their step and data time (the device's wait, measure.StepGaps), the seconds a step of each logged interval, the
+    seconds the warm-up steps took, and the run's model FLOPs per sample, peak memory and number of processes."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "step_time_s" in r]
     steps = [r["step"] - p["step"] for p, r in zip([{"step": 0}] + train, train)]
@@ -289,6 +297,7 @@ def logged_window(run_dir: Path, warmup: int, batch_size: int) -> dict:
     return {"samples_per_s": done * batch_size / elapsed, "time_s": elapsed, "step_time_s": elapsed / done,
             "data_time_s": sum(r["data_time_s"] * n for n, r in timed) / done,
             "warmup_s": sum(r["step_time_s"] * n for r, n in zip(train, steps) if r["step"] <= warmup),
+            "interval_step_s": [r["step_time_s"] for _, r in timed],  # each logged interval's seconds a step
             "flops_per_sample": summary.get("model_flops_per_sample") or 0, "world_size": summary["world_size"],
             "peak_memory_mb": summary["peak_memory_mb"]}
 

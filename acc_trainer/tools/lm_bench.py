@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig, load_yaml, make_config
 from ..flags import Parser, add_training_options
-from .bench import _free_port, _options, logged_window, machine_description, peak_flops
+from .bench import _options, launched, logged_window, machine_description, peak_flops
 
 LOOPS = ("acc_trainer", "hf_trainer", "accelerate")
 TITLES = {"acc_trainer": "acc_trainer", "hf_trainer": "Hugging Face Trainer", "accelerate": "plain Accelerate loop"}
@@ -100,13 +100,6 @@ def tokens_per_sample(cfg: TrainConfig, train) -> int:
 # ---------------------------------------------------------------------- one launch of one loop
 
 
-def _launch(processes: int, module_args: list[str]) -> list[str]:
-    if processes == 1:
-        return [sys.executable, *module_args]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-            "--main_process_port", str(_free_port()), *module_args]
-
-
 def run_loop(loop: str, processes: int, cfg: TrainConfig, args, folder: Path) -> dict:
     """One launch; returns {"samples_per_s", "time_s", "wall_s"} over the steps after the warm-up."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -119,7 +112,7 @@ def run_loop(loop: str, processes: int, cfg: TrainConfig, args, folder: Path) ->
                   "--output-dir", str(run_dir), "--config", json.dumps({k: v for k, v in cfg.to_dict().items()
                                                                         if v is not None})]
     started = time.perf_counter()
-    result = subprocess.run(_launch(processes, module), capture_output=True, text=True, env=env)
+    result = subprocess.run(launched(processes, module), capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("LM_BENCH ")), None)
     if result.returncode != 0 or (loop != "acc_trainer" and line is None):
@@ -134,11 +127,18 @@ def run_loop(loop: str, processes: int, cfg: TrainConfig, args, folder: Path) ->
 # ---------------------------------------------------------------------- the two other loops
 
 
-def _seconds_between(clock: dict, warmup: int, steps: int, batch_size: int) -> dict:
-    """Speed over the steps after the warm-up, and the warm-up's seconds (from the first step's start)."""
+def _seconds_between(clock: dict, warmup: int, steps: int, batch_size: int, every: int) -> dict:
+    """Speed over the steps after the warm-up, the seconds a step of each `every` steps after it (the intervals
+    acc_trainer logs), and the warm-up's seconds (from the first step's start)."""
     elapsed = clock[steps] - clock[warmup]
     return {"samples_per_s": (steps - warmup) * batch_size / elapsed, "time_s": elapsed,
+            "interval_step_s": [(clock[k + every] - clock[k]) / every for k in range(warmup, steps, every)],
             "warmup_s": clock[warmup] - clock[0]}
+
+
+def _stamped(step: int, warmup: int, every: int) -> bool:
+    """Whether the clock is read at the end of optimizer step `step`: the warm-up's end, then every `every` steps."""
+    return step >= warmup and (step - warmup) % every == 0
 
 
 def hf_trainer(cfg: TrainConfig, steps: int, warmup: int, output_dir: str) -> dict:
@@ -164,7 +164,7 @@ def hf_trainer(cfg: TrainConfig, steps: int, warmup: int, output_dir: str) -> di
             clock[0] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step in (warmup, steps):
+            if _stamped(state.global_step, warmup, cfg.log_every):
                 if torch.cuda.is_available() and not use_cpu:
                     torch.cuda.synchronize()
                 clock[state.global_step] = time.perf_counter()
@@ -173,7 +173,7 @@ def hf_trainer(cfg: TrainConfig, steps: int, warmup: int, output_dir: str) -> di
     data = build_data(cfg)
     trainer = Trainer(model=build_model(cfg, data), args=training, train_dataset=data.train, callbacks=[Clock()])
     trainer.train()
-    return {**_seconds_between(clock, warmup, steps, cfg.batch_size), "world_size": trainer.args.world_size}
+    return {**_seconds_between(clock, warmup, steps, cfg.batch_size, cfg.log_every), "world_size": trainer.args.world_size}
 
 
 def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
@@ -216,25 +216,29 @@ def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
             step += 1
             if step % cfg.log_every == 0:
                 accelerator.print(f"step {step} loss {accelerator.reduce(loss.detach(), 'mean').item():.4f}")
-            if step in (warmup, steps):
+            if _stamped(step, warmup, cfg.log_every):
                 if accelerator.device.type == "cuda":
                     torch.cuda.synchronize()
                 clock[step] = time.perf_counter()
             if step == steps:
                 break
-    return {**_seconds_between(clock, warmup, steps, cfg.batch_size), "world_size": accelerator.num_processes}
+    return {**_seconds_between(clock, warmup, steps, cfg.batch_size, cfg.log_every),
+            "world_size": accelerator.num_processes}
 
 
 # ---------------------------------------------------------------------- the command
 
 
 def summarise(runs: dict[str, list[dict]], tokens: int, warmup: int = 0, steps: int = 1, peak: float | None = None,
-              gpus: bool = False) -> list[dict]:
+              gpus: bool = False, batch_size: int = 1) -> list[dict]:
     """One row per (loop, processes): median tokens/s; the warm-up's seconds beyond as many steady steps (with
     --compile, the compilation); MFU from acc_trainer's model FLOPs per sample (the same model in every loop) over
     `peak` (per GPU when `gpus`); on the other loops' rows, acc_trainer's median over theirs (`ratio`) and, repeat by
     repeat, acc_trainer's run over theirs (`ratios`: the runs of one repeat follow each other, so a busy minute on a
-    shared machine touches both alike) with their median."""
+    shared machine touches both alike) with their median. `quiet_tokens_per_s`: the speed of the lower quartile of
+    the seconds a step over every repeat's timed intervals of --log-every steps (on a shared machine other work
+    only ever adds time, in phases of several seconds that a run of one loop may meet all along and the next not at
+    all: the quiet intervals are each loop's own speed), with acc_trainer's over it (`quiet_ratio`)."""
     rows = []
     flops = max((m.get("flops_per_sample", 0) for measured in runs.values() for m in measured), default=0)
     for name, measured in runs.items():
@@ -247,6 +251,7 @@ def summarise(runs: dict[str, list[dict]], tokens: int, warmup: int = 0, steps: 
         row["warmup_extra_s"] = row["warmup_s"] - warmup * step_s
         samples_per_s = statistics.median(m["samples_per_s"] for m in measured)
         row["mfu"] = flops * samples_per_s / (peak * (int(n) if gpus else 1)) if flops and peak else None
+        row["quiet_tokens_per_s"] = batch_size * tokens / quiet(m["interval_step_s"] for m in measured)
         rows.append(row)
     ours = {r["processes"]: r for r in rows if r["loop"] == "acc_trainer"}
     for r in rows:
@@ -255,7 +260,14 @@ def summarise(runs: dict[str, list[dict]], tokens: int, warmup: int = 0, steps: 
             r["ratio"] = mine["tokens_per_s"] / r["tokens_per_s"]
             r["ratios"] = [a / b for a, b in zip(mine["tokens_per_s_all"], r["tokens_per_s_all"])]
             r["ratios_median"] = statistics.median(r["ratios"])
+            r["quiet_ratio"] = mine["quiet_tokens_per_s"] / r["quiet_tokens_per_s"]
     return rows
+
+
+def quiet(intervals) -> float:
+    """The lower quartile (nearest rank, from below) of every run's seconds a step, interval by interval."""
+    pooled = sorted(t for run in intervals for t in run)
+    return pooled[len(pooled) // 4]
 
 
 def markdown(rows: list[dict], cfg: TrainConfig, args, tokens: int, machine: str, peak_note: str = "") -> str:
@@ -264,20 +276,24 @@ def markdown(rows: list[dict], cfg: TrainConfig, args, tokens: int, machine: str
              + (", compiled" if cfg.compile else ""),
              "", f"Machine: {machine}. Median of {args.repeats} runs per loop, in rotating order.", "",
              "| loop | processes | tokens/s | MFU | warm-up extra (s) | acc_trainer vs it | each repeat (median) "
-             "| runs (tokens/s) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "| quiet tokens/s | acc_trainer vs it, quiet | runs (tokens/s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         each = "-" if r["ratios"] is None else \
             f"{', '.join(f'{x:.3f}' for x in r['ratios'])} ({r['ratios_median']:.3f})"
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        quiet_ratio = "-" if r.get("quiet_ratio") is None else f"{r['quiet_ratio']:.3f}"
         lines.append(f"| {TITLES[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                     f"{r['warmup_extra_s']:.2f} | {ratio} | {each} | {', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} |")
+                     f"{r['warmup_extra_s']:.2f} | {ratio} | {each} | {r['quiet_tokens_per_s']:,.0f} | {quiet_ratio} | "
+                     f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} |")
     lines += ["", "tokens/s: labelled next tokens per second over the timed steps (global, every process together). "
               f"MFU: model FLOPs per sample (acc_trainer's count) x samples/s over {peak_note or 'the peak'}. Warm-up "
               f"extra: the {args.warmup} warm-up steps' seconds beyond as many steady steps (with --compile, the "
               "compilation). acc_trainer vs it: acc_trainer's median over this loop's, on as many processes; each "
-              "repeat: acc_trainer's run over this loop's run of the same repeat.", ""]
+              "repeat: acc_trainer's run over this loop's run of the same repeat. Quiet: at the lower quartile of the "
+              f"seconds a step of every run's intervals of {cfg.log_every} steps (the machine's other work only adds "
+              "time).", ""]
     return "\n".join(lines)
 
 
@@ -312,7 +328,8 @@ def main(argv: list[str]) -> None:
     import torch
 
     peak, peak_note = peak_flops(cfg)
-    rows = summarise(runs, tokens, args.warmup, args.steps, peak, gpus=torch.cuda.is_available() and not cfg.cpu)
+    rows = summarise(runs, tokens, args.warmup, args.steps, peak, gpus=torch.cuda.is_available() and not cfg.cpu,
+                     batch_size=cfg.batch_size)
     machine = machine_description()
     table = markdown(rows, cfg, args, tokens, machine, peak_note)
     report = {"workload": cfg.to_dict(), "steps": args.steps, "warmup": args.warmup, "tokens_per_sample": tokens,

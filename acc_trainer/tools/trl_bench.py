@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +41,9 @@ from pathlib import Path
 from ..config import ConfigError, TrainConfig
 
 LOOPS = ("acc_trainer", "trl")
+# Options that trl_loop does not give TRL's trainer: with any of them the two loops would not compute the same thing.
+ONLY_ACC_TRAINER = ("lora", "pack", "compile", "ema", "micro_batch", "freeze", "init_from", "label_smoothing",
+                    "gradient_checkpointing")
 STEPS_LOG = "bench-steps-rank{rank}.jsonl"
 
 
@@ -240,17 +242,14 @@ def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: s
 
 def run_loop(loop: str, processes: int, cfg: TrainConfig, mode: str, args, folder: Path) -> dict:
     """One launch of one loop; returns its logged window (tokens, samples, seconds) and its wall time."""
-    from .bench import _free_port
+    from .bench import launched
 
-    launch = [sys.executable] if processes == 1 else [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-        "--main_process_port", str(_free_port())]
     run_dir = folder / f"{mode}-{loop}-{processes}p-{time.time_ns()}"
     module = ["-m", __name__, "--loop", loop, "--mode", mode, "--steps", str(args.steps), "--warmup",
               str(args.warmup), "--output-dir", str(run_dir),
               "--config", json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None})]
     started = time.perf_counter()
-    result = subprocess.run(launch + module, capture_output=True, text=True,
+    result = subprocess.run(launched(processes, module), capture_output=True, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - started
     if result.returncode != 0 or "TRL_BENCH done" not in result.stdout:
@@ -346,6 +345,10 @@ def main(args, cfg: TrainConfig, mode: str, console) -> None:
                           f"{', '.join(LOOPS)}, not {','.join(loops)!r}")
     if cfg.max_length is None:
         raise ConfigError("bench-lm on text data needs --max-length (the same truncation in both loops)")
+    only_ours = [f"--{name.replace('_', '-')}" for name in ONLY_ACC_TRAINER if getattr(cfg, name)]
+    if only_ours:
+        raise ConfigError(f"bench-lm against TRL: {', '.join(only_ours)} would apply to acc_trainer's loop only (TRL's "
+                          "is set up for the full model, unpacked, eager): leave it out")
     folder = Path(args.bench_dir or f"runs/bench-{mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, output_dir=None)

@@ -216,6 +216,8 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset, group: proces
                                    collate=job.collate)
     job.data.heads.clear()  # the first samples read for the checks at start
     model, loader = accelerator.prepare(job.model, loader)
+    if isinstance(job.forward, preference.DPOForward):  # its reference under the run's mixed precision, as the model
+        job.forward.reference.autocast = accelerator.autocast
     return accelerator, model, loader
 
 
@@ -493,12 +495,13 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
     # The run's weights replace pretrained ones, but for a LoRA run's base.
     job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)), chat.text_sets(cfg))
     preference.objective(cfg, job)  # --objective dpo: the pairs' forward, loss, figures and collate, as the run had
-    if cfg.objective == "dpo" and not cfg.lora:  # its reference: the starting weights, before the run's are loaded
+    mode = getattr(getattr(job.forward, "reference", None), "mode", None)
+    if mode == "copy":  # a frozen copy of the starting weights (LoRA's too: its new adapters added nothing yet)
         if cfg.init_from:
             checkpoints.initial_weights(job.model, cfg.init_from, cfg.init_strict)
         preference.start(job.forward, job.model)
     job.model = _trained(job.model, weights, cfg, cfg.model)
-    if cfg.lora:  # a LoRA run's reference is its base, the adapters switched off
+    if mode == "adapter":  # the run's model with its adapters switched off
         preference.start(job.forward, job.model)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:

@@ -91,7 +91,7 @@ def _largest(cfg: TrainConfig, job: Workload, group: Group, share: int, device: 
 
 def _fits(cfg: TrainConfig, job: Workload, batch, device: torch.device) -> bool:
     """Whether one training step of `batch` runs out of memory: forward, backward and the optimizer's state
-    stand-ins; the model, its gradients and buffers and the random numbers as they were."""
+    stand-ins (and DPO's reference copy's); the model, its gradients and buffers and the random numbers as they were."""
     model = job.model
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     was_training, kept = model.training, []
@@ -102,6 +102,8 @@ def _fits(cfg: TrainConfig, job: Workload, batch, device: torch.device) -> bool:
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             kept = [torch.zeros_like(p) for p in trainable for _ in range(slots)]
+            if getattr(getattr(job.forward, "reference", None), "mode", None) == "copy":  # DPO's frozen copy, to come
+                kept += [torch.zeros_like(t) for t in [*model.parameters(), *model.buffers()]]
             model.train()
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 outputs, _ = (job.forward or losses.forward)(model, batch)

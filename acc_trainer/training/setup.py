@@ -209,7 +209,8 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     flops = _flops(job, model, accelerator)  # before BatchNorm layers become collective (--sync-bn)
     # Compared (and made equal, with a note) before `prepare`, whose DDP wrapper would silently copy
     # rank 0's weights over a seeding mistake.
-    notes = processes.same_initial_weights(accelerator, model) + _notes(checked, model, world, group.engine)
+    notes = processes.same_initial_weights(accelerator, model) + _reference(cfg, job, model, origin.resumed, accelerator)
+    notes += _notes(checked, model, world, group.engine)
     notes += _device_notes(accelerator) + batch_notes
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
@@ -472,7 +473,7 @@ def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = No
 
 def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str, job: Workload) -> tuple:
     """(the model, its Tuning): --init-from's weights (not when resuming from a checkpoint that holds them all),
-    then --lora's adapters around them (adapters.py); then DPO's reference is fixed (preference.py)."""
+    then --lora's adapters around them (adapters.py)."""
     out = Tuning()
     if cfg.init_from and (not resumed or resumed.get("frozen")):
         report = checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
@@ -487,10 +488,15 @@ def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str
         out.notes.append(f"LoRA rank {cfg.lora} on {cfg.lora_targets and ','.join(cfg.lora_targets) or 'every linear layer'}"
                          f": {counts['trainable']:,} of {counts['total']:,} parameters train "
                          f"({100 * counts['trainable'] / counts['total']:.2f}%)")
-    reload = cfg.init_from and resumed and not resumed.get("frozen")  # --init-from skipped above: the copy gets it
-    preference.start(job.forward, model, partial(checkpoints.initial_weights, path=cfg.init_from,
-                                                 strict=cfg.init_strict) if reload else None)
     return model, out
+
+
+def _reference(cfg: TrainConfig, job: Workload, model, resumed: dict | None, accelerator: Accelerator) -> list[str]:
+    """--objective dpo: its reference fixed once the starting weights are the same on every process (a copy taken
+    before would keep each process's own), under the run's autocast (preference.start)."""
+    reload = cfg.init_from and resumed and not resumed.get("frozen")  # --init-from skipped above: the copy gets it
+    return preference.start(job.forward, model, partial(checkpoints.initial_weights, path=cfg.init_from,
+                                                        strict=cfg.init_strict) if reload else None, accelerator.autocast)
 
 
 def _trainable_only(models: list, weights: list, folder: str) -> None:
