@@ -190,6 +190,10 @@ def test_bad_input_is_one_line(files, main_in_process, tmp_path):
                                      "--tokenizer", files / "tokenizer")
     assert (code, out, err.count("\n")) == (2, "", 1)
     assert "object.json holds one JSON object: a .json dataset is a list of samples" in err
-    # Tokens given already, beside the text they came from: trained as given, not tokenized again.
+    # Tokens given already, beside the text they came from: trained as given (not tokenized again, the text left out
+    # of the batches: 8 samples of 4 tokens, 3 next tokens each).
     given = [{"input_ids": torch.tensor([3, 5, 6, 2]), "labels": torch.tensor([3, 5, 6, 2]), **c} for c in chats]
     assert chat.set_kind_of(given) is None
+    trained = acc_trainer.fit(lm_probe.base_model(), given, tokenizer=tokenizer, batch_size=8, max_steps=1,
+                              progress="none", plots=False, output_dir=str(tmp_path / "tokens"))
+    assert trained["train_samples"] == 8 and not any("tokenized" in note for note in trained["notes"])

@@ -91,6 +91,9 @@ def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, tru
     sample_kind(sample, index)
     for field in ("prompt", "chosen", "rejected"):
         _check_field(sample, field, index)
+    if isinstance(sample["chosen"], list) != isinstance(sample["rejected"], list):
+        raise ConfigError(f"{_where(index)}mixes text and messages: prompt, chosen and rejected are all text or all "
+                          "lists of messages")
     prompt, chosen, rejected = _explicit_prompt(sample)
     chat = isinstance(prompt, list)
     if chat and not prompt:
@@ -121,6 +124,10 @@ def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, tru
 
 def assistant_mask(tokenizer, messages: list, index: int | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, 1 on the assistant's tokens) of a conversation rendered by the tokenizer's chat template."""
+    if not getattr(tokenizer, "is_fast", False):  # transformers' generation masks and our spans both map characters
+        raise ConfigError(f"{_where(index)}holds chat messages, and the tokenizer ({type(tokenizer).__name__}) is not a "
+                          "fast one: only a fast tokenizer maps tokens to characters, which finds the assistant's "
+                          "tokens; give a fast tokenizer (use_fast=True)")
     if GENERATION.search(_template_text(tokenizer)):
         with _template_errors(index):
             out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
@@ -138,10 +145,6 @@ def assistant_mask(tokenizer, messages: list, index: int | None = None) -> tuple
                               f"differently once message {i} follows, so the assistant's tokens cannot be found; give "
                               "a template with {% generation %} blocks (--chat-template FILE)")
         spans.append((len(before), len(upto)))
-    if not getattr(tokenizer, "is_fast", False):
-        raise ConfigError(f"{_where(index)}holds chat messages, and the tokenizer ({type(tokenizer).__name__}) is not a fast "
-                          "one: only a fast tokenizer maps tokens to characters, which finds the assistant's tokens "
-                          "under a template without {% generation %} blocks; give a fast tokenizer or such a template")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask, k = [], 0
     for start, end in encoded["offset_mapping"]:
@@ -369,8 +372,8 @@ class TextSets:
 
     def __call__(self, train, eval_, name: str):
         kind = set_kind_of(train)
-        if kind is None:
-            return train, eval_
+        if kind is None:  # not text; tokens kept beside the text they came from train without it
+            return _tokens_only(train), _tokens_only(eval_)
         cfg, self.kind = self.cfg, kind
         self.sets = [Tokenized(s, self.tokenizer, kind, cfg.train_on_prompt, cfg.max_length, cfg.truncation)
                      for s in (train, eval_) if s is not None]
@@ -402,6 +405,32 @@ class TextSets:
         if dropped:
             note += f"; {dropped} dropped, with no token to learn left"
         return note
+
+
+TEXT_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected", "text")
+
+
+class _TokensOnly(Dataset):
+    """A tokenized set whose samples keep the text they came from (`{"input_ids", "labels", "messages"}`, what a
+    `datasets` map leaves): the samples without the text fields, which no collate could batch."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return {k: v for k, v in self.dataset[index].items() if k not in TEXT_FIELDS}
+
+
+def _tokens_only(dataset):
+    if dataset is None or is_stream(dataset) or not hasattr(dataset, "__getitem__") or not len(dataset):
+        return dataset
+    first = dataset[0]
+    if isinstance(first, Mapping) and "input_ids" in first and any(k in first for k in TEXT_FIELDS):
+        return _TokensOnly(dataset)
+    return dataset
 
 
 def text_sets(cfg: TrainConfig, tokenizer=None) -> TextSets:

@@ -88,8 +88,10 @@ def _evaluating(module: torch.nn.Module):
     try:
         yield
     finally:
-        for m, training in modes:
-            m.training = training
+        module.train(modes[0][1])  # train() itself: a model's own override runs (transformers' kernels)
+        for m, training in modes[1:]:
+            if m.training != training:  # the few kept otherwise (frozen BatchNorm layers)
+                m.train(training)
 
 
 class DPOForward:
