@@ -77,10 +77,6 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     if cfg.optimizer != "adamw" or cfg.scheduler != "constant" or cfg.warmup_steps or cfg.scale_lr:
         raise ConfigError("bench-lm compares the loops with --optimizer adamw, --scheduler constant, no warm-up "
                           "and no --scale-lr")
-    only_ours = [f"--{name.replace('_', '-')}" for name in ONLY_ACC_TRAINER if getattr(cfg, name)]
-    if only_ours:  # on token blocks; chat data and pairs (trl_bench) have their own list
-        raise ConfigError(f"bench-lm: {', '.join(only_ours)} would apply to acc_trainer's loop only (the Hugging Face "
-                          "Trainer's and the plain loop train the full model as built): leave it out")
     for n in args.processes:
         if cfg.batch_size % (n * cfg.grad_accum):
             raise ConfigError(f"--batch-size {cfg.batch_size} does not split over {n} processes x {cfg.grad_accum}")
@@ -314,8 +310,12 @@ def main(argv: list[str]) -> None:
 
     console = make_console()
     mode = trl_bench.mode_of(cfg)
-    if mode is not None:  # chat data or preference pairs: against TRL's trainers
+    if mode is not None:  # chat data or preference pairs: against TRL's trainers (with their own list of refusals)
         return trl_bench.main(args, cfg, mode, console)
+    only_ours = [f"--{name.replace('_', '-')}" for name in ONLY_ACC_TRAINER if getattr(cfg, name)]
+    if only_ours:
+        raise ConfigError(f"bench-lm: {', '.join(only_ours)} would apply to acc_trainer's loop only (the Hugging Face "
+                          "Trainer's and the plain loop train the full model as built): leave it out")
     args.loops = args.loops or list(LOOPS)
     unknown = sorted(set(args.loops) - set(LOOPS))
     if unknown:
