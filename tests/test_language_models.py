@@ -175,13 +175,23 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_it_will_be_slow(tmp_path, 
     for name in ("avx2", "zen4"):
         monkeypatch.setattr(setup, "cpu_bf16_instructions", lambda name=name: found[name])
         reset_accelerate()
+        model = lm_probe.base_model()
         with one_thread():
-            run = acc_trainer.fit(lm_probe.base_model(), lm_probe.documents(8, 0), collate_fn=lm_probe.pad, batch_size=4,
+            run = acc_trainer.fit(model, lm_probe.documents(8, 0), collate_fn=lm_probe.pad, batch_size=4,
                                   max_steps=1, mixed_precision="bf16", progress="none", plots=False,
                                   output_dir=str(tmp_path / f"{name}-run"))
         notes[name] = [n for n in run["notes"] if "bf16" in n]
     reset_accelerate()
     assert len(notes["avx2"]) == 1 and "no bf16 instructions" in notes["avx2"][0] and notes["zen4"] == []
+    # The model object given to fit comes back without the run's autocast: its own forward, in float32, the same
+    # logits as a fresh model holding its weights.
+    assert "forward" not in vars(model) and "_original_forward" not in vars(model)
+    fresh = lm_probe.base_model()
+    fresh.load_state_dict(model.state_dict())
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, fresh.eval()(input_ids=ids).logits)
+        assert isinstance(model(input_ids=ids, return_dict=False), tuple)  # transformers' own decorator kept
 
 
 def test_compiled_blocks_compile_once_for_every_layer():

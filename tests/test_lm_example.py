@@ -155,8 +155,9 @@ def test_bench_lm_refuses_what_the_three_loops_cannot_do_alike():
     for args, message in [(["--optimizer", "sgd"], "bench-lm compares the loops with --optimizer adamw"),
                           (["--steps", "12", "--warmup", "3"], "--warmup and --steps must be multiples of --log-every (5)"),
                           (["--loops", "trl"], "--loops takes acc_trainer, hf_trainer, accelerate"),
-                          (["--lora", "4", "--gradient-checkpointing"],
-                           "bench-lm: --lora, --gradient-checkpointing would apply to acc_trainer's loop only")]:
+                          (["--lora", "4", "--gradient-checkpointing", "--layer-decay", "0.8"],
+                           "bench-lm: --lora, --gradient-checkpointing, --layer-decay would apply to acc_trainer's "
+                           "loop only")]:
         result = run_here("bench-lm", "--config", "stdlib_lm_bench.yaml", *args, cwd=EXAMPLES)
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
         assert result.stderr.startswith("acc-trainer: error: ") and message in result.stderr

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from conftest import reset_accelerate
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -177,14 +178,29 @@ def test_find_lr_leaves_the_model_and_random_states_and_a_later_fit_unchanged(fr
 def test_fit_lr_find_trains_with_the_suggestion(fresh, tmp_path, capsys):
     import acc_trainer
 
+    run = tmp_path / "run"
+    job = dict(lr="find", epochs=1, batch_size=64, optimizer="adamw", output_dir=str(run), progress="none",
+               checkpoint_every="8", plots=False)
     torch.manual_seed(1)
-    acc_trainer.fit(small_net(), digits_like(), lr="find", epochs=1, batch_size=64, optimizer="adamw",
-                    output_dir=str(tmp_path / "run"), progress="none")
-    suggestion = json.loads((tmp_path / "run" / "lr-find" / "lr_find.json").read_text())["suggestion"]
-    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    acc_trainer.fit(small_net(), digits_like(), **job)
+    suggestion = json.loads((run / "lr-find" / "lr_find.json").read_text())["suggestion"]
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert config["lr"] == suggestion and {r["lr"] for r in logged if "lr" in r} == {suggestion}
     assert f'lr="find": suggested learning rate {suggestion:.1e}' in capsys.readouterr().out
+    # Into the same folder again: refused, naming it, before a second test runs; the first test's files untouched.
+    curve = (run / "lr-find" / "lr_find.json").read_bytes()
+    with pytest.raises(ConfigError, match=f"--output-dir {run} already holds a run"):
+        acc_trainer.fit(small_net(), digits_like(), **job)
+    assert (run / "lr-find" / "lr_find.json").read_bytes() == curve
+    # Resumed: the run goes on with the rate it was started with (no second test), and ends on the same weights.
+    first = load_file(run / "model.safetensors")
+    torch.manual_seed(1)
+    acc_trainer.fit(small_net(), digits_like(), **job, resume=str(run / "checkpoints" / "step-00000008"))
+    assert "resuming with the learning rate the run was started with" in capsys.readouterr().out
+    assert yaml.safe_load((run / "config.yaml").read_text())["lr"] == suggestion
+    resumed = load_file(run / "model.safetensors")
+    assert all(torch.equal(first[name], resumed[name]) for name in first)
     with pytest.raises(ConfigError, match="optimizer factory"):
         acc_trainer.fit(small_net(), digits_like(), lr="find", optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1))
 

@@ -82,7 +82,22 @@ def test_options_only_acc_trainer_would_apply_are_refused():
     """TRL's loop trains the full model, unpacked and eager: a bench with --lora (or --pack, --compile, ...) would
     compare different computations. One line, exit 2, before anything runs."""
     result = run_here("bench-lm", "--config", "stdlib_sft_bench.yaml", *TINY, "--lora", "4", "--pack", "64",
-                      cwd=EXAMPLES)
+                      "--optimizer-args", "{betas: [0.8, 0.99]}", cwd=EXAMPLES)
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr.startswith("acc-trainer: error: bench-lm against TRL: --lora, --pack would apply to "
-                                    "acc_trainer's loop only") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("acc-trainer: error: bench-lm against TRL: --lora, --pack, --optimizer-args would "
+                                    "apply to acc_trainer's loop only") and result.stderr.count("\n") == 1
+
+
+def test_trl_gets_the_chat_template_acc_trainer_gets(tmp_path, monkeypatch):
+    """--chat-template replaces the tokenizer's template in acc_trainer's run: TRL's trainer gets the same one."""
+    from acc_trainer.config import load_yaml, make_config
+    from acc_trainer.tools.trl_bench import workload
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    monkeypatch.chdir(EXAMPLES)
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    cfg = make_config({**load_yaml("stdlib_sft_bench.yaml"), "dataset_args": {"max_files": 2, "max_eval_files": 1},
+                       "chat_template": str(template)})
+    _, _, tokenizer = workload(cfg)
+    assert tokenizer.chat_template == template.read_text()

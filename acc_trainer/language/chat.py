@@ -351,11 +351,17 @@ def _kind_name(kind: str | None) -> str:
             "text": "text"}.get(kind, "token (not text)")
 
 
-def set_kind_of(dataset) -> str | None:
-    """The kind of a map-style set's text samples (its first sample's), or None: not text, a stream, or empty."""
+def first_sample(dataset):
+    """A map-style set's first sample, or None: no set, a stream, or empty."""
     if dataset is None or is_stream(dataset) or not hasattr(dataset, "__getitem__") or not len(dataset):
         return None
-    return sample_kind(dataset[0], 0)
+    return dataset[0]
+
+
+def set_kind_of(dataset) -> str | None:
+    """The kind of a map-style set's text samples (its first sample's), or None: not text, a stream, or empty."""
+    first = first_sample(dataset)
+    return None if first is None else sample_kind(first, 0)
 
 
 class TextSets:
@@ -425,9 +431,7 @@ class _TokensOnly(Dataset):
 
 
 def _tokens_only(dataset):
-    if dataset is None or is_stream(dataset) or not hasattr(dataset, "__getitem__") or not len(dataset):
-        return dataset
-    first = dataset[0]
+    first = first_sample(dataset)
     if isinstance(first, Mapping) and "input_ids" in first and any(k in first for k in TEXT_FIELDS):
         return _TokensOnly(dataset)
     return dataset

@@ -50,6 +50,12 @@ def check_not_in_use(folder: Path) -> None:
         raise error
 
 
+def refuse_a_run_in(folder: Path) -> None:
+    """A run that does not resume is refused a folder where a run left its files."""
+    if any((Path(folder) / name).exists() for name in RunFiles.OUTPUTS):
+        raise ConfigError(f"--output-dir {folder} already holds a run; choose a new folder, or add --resume auto")
+
+
 def lock_run_folder(folder: Path, resuming: bool):
     """One run at a time per folder: an exclusive flock on <folder>/.lock, held by the open file returned until the
     run lets it go (`RunFiles.release`, at the run's end, whatever ended it). The operating system drops it when the
@@ -67,9 +73,12 @@ def lock_run_folder(folder: Path, resuming: bool):
         handle.close()
         raise error
     # Checked again under the lock: a run that finished since this one started left its files here.
-    if not resuming and any((folder / name).exists() for name in RunFiles.OUTPUTS):
-        handle.close()
-        raise ConfigError(f"--output-dir {folder} already holds a run; choose a new folder, or add --resume auto")
+    if not resuming:
+        try:
+            refuse_a_run_in(folder)
+        except ConfigError:
+            handle.close()
+            raise
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
@@ -250,8 +259,8 @@ def output_dir(cfg: TrainConfig, model_name: str, dataset_name: str) -> Path:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} exists and is not a folder")
     main_decides(lambda: check_not_in_use(out))
-    if cfg.resume is None and any((out / name).exists() for name in RunFiles.OUTPUTS):
-        raise ConfigError(f"--output-dir {out} already holds a run; choose a new folder, or add --resume auto")
+    if cfg.resume is None:
+        refuse_a_run_in(out)
     PartialState().wait_for_everyone()  # every process has checked before the main one writes
     return out
 

@@ -220,6 +220,30 @@ def launched(processes: int, module_args: list[str]) -> list[str]:
             "--main_process_port", str(_free_port()), *module_args]
 
 
+# Options that shape acc_trainer's optimizer beyond --optimizer, --lr and --weight-decay: the loops it is compared
+# with build theirs from those three alone (lm_bench and trl_bench refuse them with their own lists).
+OPTIMIZER_SHAPING = ("optimizer_args", "param_groups", "layer_decay", "no_decay_norm_bias")
+
+
+def refuse_own_options(cfg: TrainConfig, names: tuple[str, ...], against: str, others: str) -> None:
+    """One line naming the options of `names` that are set: each would apply to acc_trainer's loop only, so the
+    loops would not compute the same thing (`against`: the bench's name for the comparison; `others`: what the
+    other loops run instead)."""
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(cfg, name)]
+    if given:
+        raise ConfigError(f"{against}: {', '.join(given)} would apply to acc_trainer's loop only ({others}): "
+                          "leave it out")
+
+
+def tf32_as_acc_trainer(cfg: TrainConfig) -> None:
+    """A compared loop's process set to --tf32 as acc_trainer's run sets its own (float32 matmuls and convolutions on
+    TF32 tensor cores, on by default): on a GPU, the same precision in every loop; on a CPU nothing changes."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,11 +35,21 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig, load_yaml, make_config
 from ..flags import Parser, add_training_options
-from .bench import _options, launched, logged_window, machine_description, peak_flops
+from .bench import (
+    OPTIMIZER_SHAPING,
+    _options,
+    launched,
+    logged_window,
+    machine_description,
+    peak_flops,
+    refuse_own_options,
+    tf32_as_acc_trainer,
+)
 
 LOOPS = ("acc_trainer", "hf_trainer", "accelerate")
 # Options the two other loops do not apply: with any of them the loops would not compute the same thing.
-ONLY_ACC_TRAINER = ("lora", "pack", "ema", "freeze", "init_from", "label_smoothing", "gradient_checkpointing")
+ONLY_ACC_TRAINER = ("lora", "pack", "ema", "freeze", "init_from", "label_smoothing", "gradient_checkpointing",
+                    *OPTIMIZER_SHAPING)
 TITLES = {"acc_trainer": "acc_trainer", "hf_trainer": "Hugging Face Trainer", "accelerate": "plain Accelerate loop"}
 
 
@@ -152,6 +162,7 @@ def hf_trainer(cfg: TrainConfig, steps: int, warmup: int, output_dir: str) -> di
 
     from ..workload.components import build_data, build_model
 
+    tf32_as_acc_trainer(cfg)
     use_cpu = cfg.cpu or not torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     training = TrainingArguments(
@@ -193,6 +204,7 @@ def accelerate_loop(cfg: TrainConfig, steps: int, warmup: int) -> dict:
 
     # cpu=True without a GPU, as Accelerate's CPU examples pass it: else processes started by `accelerate launch
     # --multi_gpu` on a CPU each train alone instead of forming a gloo group.
+    tf32_as_acc_trainer(cfg)
     accelerator = Accelerator(cpu=cfg.cpu or not torch.cuda.is_available(), mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.grad_accum,
                               dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
@@ -312,10 +324,8 @@ def main(argv: list[str]) -> None:
     mode = trl_bench.mode_of(cfg)
     if mode is not None:  # chat data or preference pairs: against TRL's trainers (with their own list of refusals)
         return trl_bench.main(args, cfg, mode, console)
-    only_ours = [f"--{name.replace('_', '-')}" for name in ONLY_ACC_TRAINER if getattr(cfg, name)]
-    if only_ours:
-        raise ConfigError(f"bench-lm: {', '.join(only_ours)} would apply to acc_trainer's loop only (the Hugging Face "
-                          "Trainer's and the plain loop train the full model as built): leave it out")
+    refuse_own_options(cfg, ONLY_ACC_TRAINER, "bench-lm", "the Hugging Face Trainer and the plain loop train the full "
+                       "model as built, with AdamW from --lr and --weight-decay alone")
     args.loops = args.loops or list(LOOPS)
     unknown = sorted(set(args.loops) - set(LOOPS))
     if unknown:

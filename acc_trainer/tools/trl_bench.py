@@ -39,11 +39,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from .bench import OPTIMIZER_SHAPING, launched, machine_description, refuse_own_options, tf32_as_acc_trainer
 
 LOOPS = ("acc_trainer", "trl")
 # Options that trl_loop does not give TRL's trainer: with any of them the two loops would not compute the same thing.
 ONLY_ACC_TRAINER = ("lora", "pack", "compile", "ema", "micro_batch", "freeze", "init_from", "label_smoothing",
-                    "gradient_checkpointing")
+                    "gradient_checkpointing", *OPTIMIZER_SHAPING)
 STEPS_LOG = "bench-steps-rank{rank}.jsonl"
 
 
@@ -87,13 +88,14 @@ def workload(cfg: TrainConfig):
     --seed (the same weights in every loop and process), the samples from the dataset."""
     import torch
 
+    from ..language.chat import load_chat_template
     from ..language.pretrained import load_tokenizer
     from ..workload.components import call_factory, import_object
 
     train = samples(cfg)
     torch.manual_seed(cfg.seed)
     model = call_factory(import_object(cfg.model, "--model"), dict(cfg.model_args or {}), {}, cfg.model)
-    return model, train, load_tokenizer(cfg.tokenizer)
+    return model, train, load_chat_template(load_tokenizer(cfg.tokenizer), cfg.chat_template)  # the same in both
 
 
 # ---------------------------------------------------------------------- what each process measures
@@ -206,6 +208,7 @@ def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: s
     model, train, tokenizer = workload(cfg)
     reference = copy.deepcopy(model).eval().requires_grad_(False) if mode == "dpo" else None  # before TRL patches it
     counter = Counter(model, mode, warmup, steps)
+    tf32_as_acc_trainer(cfg)
     use_cpu = cfg.cpu or not torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     common = dict(
@@ -242,7 +245,6 @@ def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: s
 
 def run_loop(loop: str, processes: int, cfg: TrainConfig, mode: str, args, folder: Path) -> dict:
     """One launch of one loop; returns its logged window (tokens, samples, seconds) and its wall time."""
-    from .bench import launched
 
     run_dir = folder / f"{mode}-{loop}-{processes}p-{time.time_ns()}"
     module = ["-m", __name__, "--loop", loop, "--mode", mode, "--steps", str(args.steps), "--warmup",
@@ -336,7 +338,6 @@ def machine_load() -> str:
 
 def main(args, cfg: TrainConfig, mode: str, console) -> None:
     """lm_bench.main's: every loop x process count, `args.repeats` times in rotating order; bench.json, bench.md."""
-    from .bench import machine_description
 
     loops = args.loops or list(LOOPS)
     unknown = sorted(set(loops) - set(LOOPS))
@@ -345,10 +346,8 @@ def main(args, cfg: TrainConfig, mode: str, console) -> None:
                           f"{', '.join(LOOPS)}, not {','.join(loops)!r}")
     if cfg.max_length is None:
         raise ConfigError("bench-lm on text data needs --max-length (the same truncation in both loops)")
-    only_ours = [f"--{name.replace('_', '-')}" for name in ONLY_ACC_TRAINER if getattr(cfg, name)]
-    if only_ours:
-        raise ConfigError(f"bench-lm against TRL: {', '.join(only_ours)} would apply to acc_trainer's loop only (TRL's "
-                          "is set up for the full model, unpacked, eager): leave it out")
+    refuse_own_options(cfg, ONLY_ACC_TRAINER, "bench-lm against TRL", "TRL's is set up for the full model, "
+                       "unpacked, eager, with AdamW from --lr and --weight-decay alone")
     folder = Path(args.bench_dir or f"runs/bench-{mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, output_dir=None)

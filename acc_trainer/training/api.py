@@ -7,9 +7,11 @@ learning-rate range test (lr_range.py) through the same loop, on a copy of the w
 from __future__ import annotations
 
 import copy
+import json
 import random
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,6 +20,7 @@ from accelerate.utils import set_seed
 from ..config import ConfigError, TrainConfig, did_you_mean, make_config
 from ..distributed import processes
 from ..language import chat
+from ..outputs.runfiles import refuse_a_run_in
 from ..workload import components
 from . import lr_range
 from .loop import run
@@ -58,7 +61,8 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     applied over `config`. Every process of a launch calls this with the same arguments; returns the run summary.
     Python's, NumPy's and torch's global random states are the caller's again afterwards (the run draws from
     `seed`), and each run may take its own `mixed_precision`. `lr="find"` runs find_lr first (its defaults, into
-    `<output_dir>/lr-find` or runs/lr-find-...) and trains with its suggestion.
+    `<output_dir>/lr-find` or runs/lr-find-...) and trains with its suggestion; resumed, with the one its lr-find/
+    recorded.
     """
     if options.get("lr") == "find":
         options["lr"] = _found_lr(model, train_data, options, loss=loss, metrics=metrics, collate_fn=collate_fn,
@@ -151,9 +155,19 @@ def _found_lr(model, train_data, options: dict, **fit_args) -> float:
         raise ConfigError("fit: lr=\"find\" sets the run's lr, which an optimizer factory does not take (it names its "
                           "own): run find_lr(...) first and put its suggestion in the factory")
     rest = {k: v for k, v in options.items() if k not in ("lr", "output_dir")}
-    run_folder = options.get("output_dir") or (fit_args["config"].output_dir if fit_args["config"] else None)
-    where = f"{run_folder}/lr-find" if run_folder else None
-    test = find_lr(model, train_data, output_dir=where, **fit_args, **rest)
+    config = fit_args["config"]
+    run_folder = options.get("output_dir") or (config.output_dir if config else None)
+    resume = options["resume"] if "resume" in options else config.resume if config else None
+    recorded = Path(run_folder, "lr-find", "lr_find.json") if run_folder else None
+    if resume is not None and recorded and recorded.exists():  # a resumed run goes on with the rate it started with
+        suggestion = json.loads(recorded.read_text())["suggestion"]
+        if PartialState().is_main_process:
+            print(f"lr=\"find\": resuming with the learning rate the run was started with, {suggestion:.1e} "
+                  f"({recorded})")
+        return suggestion
+    if run_folder and resume is None:
+        refuse_a_run_in(Path(run_folder))  # before the test: the run itself would be refused after it
+    test = find_lr(model, train_data, output_dir=run_folder and f"{run_folder}/lr-find", **fit_args, **rest)
     if PartialState().is_main_process:
         print(f"lr=\"find\": suggested learning rate {test.suggestion:.1e} (steepest descent of the smoothed loss; "
               f"figure: {test.figure}); training with it")
