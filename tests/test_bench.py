@@ -238,3 +238,21 @@ def test_a_gpu_step_s_data_time_is_what_the_device_waited(monkeypatch):
     cpu.began(0.05)
     cpu.began(0.02)
     assert cpu.read() == pytest.approx(0.07) and cpu.read() == 0
+
+
+def test_the_hand_written_loops_compile_a_model_as_acc_trainer_does():
+    """--compile: a model of repeated blocks (a transformers model's layers) compiled block by block in place, as
+    acc_trainer's run compiles it; any other model compiled whole. Nothing is traced until a forward."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from acc_trainer.config import TrainConfig
+    from acc_trainer.tools.baselines import wrap_model
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    wrapped = wrap_model(llama, "raw", TrainConfig(compile=True), torch.device("cpu"))
+    assert wrapped is llama and all(layer._compiled_call_impl is not None for layer in llama.model.layers)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert isinstance(wrap_model(mlp, "raw", TrainConfig(compile=True), torch.device("cpu")),
+                      torch._dynamo.eval_frame.OptimizedModule)

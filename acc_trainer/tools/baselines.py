@@ -34,6 +34,7 @@ from ..data.datasets import InMemory, PerSample
 from ..patches import keep_freed_memory
 from ..workload.components import build_data, build_model
 from ..workload.measure import StepGaps, peak_memory_mb
+from ..workload.models import compile_blocks
 from ..workload.optim import build_optimizer
 
 
@@ -83,10 +84,11 @@ def prepare_device(cfg: TrainConfig) -> torch.device:
 
 
 def wrap_model(model: torch.nn.Module, loop: str, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """The model channels-last and compiled as the options ask, in DDP or DataParallel as the loop has it."""
+    """The model channels-last and compiled as the options ask (as acc_trainer compiles it: a model of repeated
+    blocks block by block in place, any other whole), in DDP or DataParallel as the loop has it."""
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if cfg.compile:
+    if cfg.compile and not compile_blocks(model):
         model = torch.compile(model)
     if loop == "raw-ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
