@@ -186,12 +186,46 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_it_will_be_slow(tmp_path, 
     # The model object given to fit comes back without the run's autocast: its own forward, in float32, the same
     # logits as a fresh model holding its weights.
     assert "forward" not in vars(model) and "_original_forward" not in vars(model)
+    assert_runs_as_built(model)
+
+
+def assert_runs_as_built(model):
+    """`model` gives the logits of a fresh model holding its weights, in float32, through its class's forward."""
     fresh = lm_probe.base_model()
-    fresh.load_state_dict(model.state_dict())
+    fresh.load_state_dict(getattr(model, "_orig_mod", model).state_dict())
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids=ids).logits, fresh.eval()(input_ids=ids).logits)
         assert isinstance(model(input_ids=ids, return_dict=False), tuple)  # transformers' own decorator kept
+
+
+def test_a_model_object_comes_back_without_the_runs_autocast_whatever_ends_the_run(tmp_path):
+    """bf16: a model compiled by its user, a run stopped by an error of the caller's own (on_evaluation), and
+    evaluate(): each model object runs as built afterwards (Accelerate's prepare wraps its forward in autocast)."""
+    import acc_trainer
+
+    job = dict(collate_fn=lm_probe.pad, batch_size=4, max_steps=2, mixed_precision="bf16", progress="none",
+               plots=False)
+    compiled = torch.compile(lm_probe.base_model(), backend="eager")
+    failing = lm_probe.base_model()
+    evaluated = lm_probe.base_model()
+
+    def stop(evaluation):
+        raise RuntimeError("the caller's own error")
+
+    with one_thread():
+        reset_accelerate()
+        acc_trainer.fit(compiled, lm_probe.documents(8, 0), output_dir=str(tmp_path / "compiled"), **job)
+        reset_accelerate()
+        with pytest.raises(RuntimeError, match="the caller's own error"):
+            acc_trainer.fit(failing, lm_probe.documents(8, 0), lm_probe.documents(4, 1), on_evaluation=stop,
+                            output_dir=str(tmp_path / "failing"), eval_every=1, **job)
+        reset_accelerate()
+        acc_trainer.evaluate(evaluated, lm_probe.documents(4, 1), collate_fn=lm_probe.pad, batch_size=4,
+                             mixed_precision="bf16")
+    reset_accelerate()
+    for model in (compiled, failing, evaluated):
+        assert_runs_as_built(model)
 
 
 def test_compiled_blocks_compile_once_for_every_layer():

@@ -153,6 +153,7 @@ def summary_flops(out) -> float:
 
 def test_bench_lm_refuses_what_the_three_loops_cannot_do_alike():
     for args, message in [(["--optimizer", "sgd"], "bench-lm compares the loops with --optimizer adamw"),
+                          (["--weight-decay", "0.1"], "bench-lm compares the loops without weight decay"),
                           (["--steps", "12", "--warmup", "3"], "--warmup and --steps must be multiples of --log-every (5)"),
                           (["--loops", "trl"], "--loops takes acc_trainer, hf_trainer, accelerate"),
                           (["--lora", "4", "--gradient-checkpointing", "--layer-decay", "0.8"],

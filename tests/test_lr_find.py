@@ -190,7 +190,7 @@ def test_fit_lr_find_trains_with_the_suggestion(fresh, tmp_path, capsys):
     assert f'lr="find": suggested learning rate {suggestion:.1e}' in capsys.readouterr().out
     # Into the same folder again: refused, naming it, before a second test runs; the first test's files untouched.
     curve = (run / "lr-find" / "lr_find.json").read_bytes()
-    with pytest.raises(ConfigError, match=f"--output-dir {run} already holds a run"):
+    with pytest.raises(ConfigError, match=f"--output-dir {re.escape(str(run))} already holds a run"):
         acc_trainer.fit(small_net(), digits_like(), **job)
     assert (run / "lr-find" / "lr_find.json").read_bytes() == curve
     # Resumed: the run goes on with the rate it was started with (no second test), and ends on the same weights.
@@ -201,6 +201,18 @@ def test_fit_lr_find_trains_with_the_suggestion(fresh, tmp_path, capsys):
     assert yaml.safe_load((run / "config.yaml").read_text())["lr"] == suggestion
     resumed = load_file(run / "model.safetensors")
     assert all(torch.equal(first[name], resumed[name]) for name in first)
+    # A folder holding a run trained at a rate of its own: no test runs there.
+    other = tmp_path / "other"
+    acc_trainer.fit(small_net(), digits_like(), lr=0.01, max_steps=2, batch_size=64, output_dir=str(other),
+                    progress="none", plots=False)
+    with pytest.raises(ConfigError, match=f"--output-dir {re.escape(str(other))} already holds a run"):
+        acc_trainer.fit(small_net(), digits_like(), lr="find", output_dir=str(other), progress="none")
+    assert not (other / "lr-find").exists()
+    # Resumed where the test suggested nothing (it diverged; the run never started): one line.
+    (tmp_path / "diverged" / "lr-find").mkdir(parents=True)
+    (tmp_path / "diverged" / "lr-find" / "lr_find.json").write_text('{"suggestion": null}')
+    with pytest.raises(ConfigError, match="suggested no learning rate"):
+        acc_trainer.fit(small_net(), digits_like(), lr="find", output_dir=str(tmp_path / "diverged"), resume="auto")
     with pytest.raises(ConfigError, match="optimizer factory"):
         acc_trainer.fit(small_net(), digits_like(), lr="find", optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1))
 

@@ -94,10 +94,18 @@ def test_trl_gets_the_chat_template_acc_trainer_gets(tmp_path, monkeypatch):
     from acc_trainer.tools.trl_bench import workload
 
     template = tmp_path / "template.jinja"
-    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}"
+                        "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
     monkeypatch.chdir(EXAMPLES)
     monkeypatch.syspath_prepend(str(EXAMPLES))
     cfg = make_config({**load_yaml("stdlib_sft_bench.yaml"), "dataset_args": {"max_files": 2, "max_eval_files": 1},
                        "chat_template": str(template)})
     _, _, tokenizer = workload(cfg)
     assert tokenizer.chat_template == template.read_text()
+    # Without generation blocks TRL's SFTTrainer cannot find the assistant's tokens (it raises after acc_trainer's
+    # loop has run): refused in one line before anything runs.
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    result = run_here("bench-lm", "--config", "stdlib_sft_bench.yaml", *TINY, "--chat-template", template,
+                      cwd=EXAMPLES)
+    assert (result.returncode, result.stdout) == (2, "") and result.stderr.count("\n") == 1, result.stderr
+    assert f"--chat-template {template} has no {{% generation %}} blocks" in result.stderr

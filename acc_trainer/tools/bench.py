@@ -220,8 +220,8 @@ def launched(processes: int, module_args: list[str]) -> list[str]:
             "--main_process_port", str(_free_port()), *module_args]
 
 
-# Options that shape acc_trainer's optimizer beyond --optimizer, --lr and --weight-decay: the loops it is compared
-# with build theirs from those three alone (lm_bench and trl_bench refuse them with their own lists).
+# Options that shape acc_trainer's optimizer beyond --optimizer and --lr: the loops it is compared with build
+# theirs from those two (lm_bench and trl_bench refuse them with their own lists, and any weight decay).
 OPTIMIZER_SHAPING = ("optimizer_args", "param_groups", "layer_decay", "no_decay_norm_bias")
 
 

@@ -87,6 +87,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     if cfg.optimizer != "adamw" or cfg.scheduler != "constant" or cfg.warmup_steps or cfg.scale_lr:
         raise ConfigError("bench-lm compares the loops with --optimizer adamw, --scheduler constant, no warm-up "
                           "and no --scale-lr")
+    if cfg.weight_decay:  # the loops would decay different parameters
+        raise ConfigError("bench-lm compares the loops without weight decay: the Hugging Face Trainer and TRL leave "
+                          "biases and normalisation weights undecayed, a plain loop decays every parameter")
     for n in args.processes:
         if cfg.batch_size % (n * cfg.grad_accum):
             raise ConfigError(f"--batch-size {cfg.batch_size} does not split over {n} processes x {cfg.grad_accum}")
@@ -325,7 +328,7 @@ def main(argv: list[str]) -> None:
     if mode is not None:  # chat data or preference pairs: against TRL's trainers (with their own list of refusals)
         return trl_bench.main(args, cfg, mode, console)
     refuse_own_options(cfg, ONLY_ACC_TRAINER, "bench-lm", "the Hugging Face Trainer and the plain loop train the full "
-                       "model as built, with AdamW from --lr and --weight-decay alone")
+                       "model as built, with AdamW from --lr")
     args.loops = args.loops or list(LOOPS)
     unknown = sorted(set(args.loops) - set(LOOPS))
     if unknown:

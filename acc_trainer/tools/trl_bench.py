@@ -59,7 +59,20 @@ def mode_of(cfg: TrainConfig) -> str | None:
     kind = sample_kind(first) if first is not None else None
     if kind == "preference":
         raise ConfigError("bench-lm: preference pairs train with --objective dpo")
+    if kind == "messages" and cfg.chat_template and not cfg.train_on_prompt:
+        from ..language.chat import GENERATION, load_chat_template
+
+        template = load_chat_template(_Template(), cfg.chat_template).chat_template
+        if not GENERATION.search(template):  # TRL 1.16 refuses it (get_training_chat_template), after acc_trainer ran
+            raise ConfigError(f"bench-lm against TRL: --chat-template {cfg.chat_template} has no {{% generation %}} "
+                              "blocks, which TRL's SFTTrainer needs to train on the assistant's tokens: give a "
+                              "template with them, or --train-on-prompt")
     return "sft" if kind is not None else None
+
+
+class _Template:
+    """A stand-in tokenizer for reading a --chat-template file (load_chat_template's one-line errors)."""
+    chat_template = None
 
 
 def titles(mode: str) -> dict[str, str]:
@@ -347,7 +360,7 @@ def main(args, cfg: TrainConfig, mode: str, console) -> None:
     if cfg.max_length is None:
         raise ConfigError("bench-lm on text data needs --max-length (the same truncation in both loops)")
     refuse_own_options(cfg, ONLY_ACC_TRAINER, "bench-lm against TRL", "TRL's is set up for the full model, "
-                       "unpacked, eager, with AdamW from --lr and --weight-decay alone")
+                       "unpacked, eager, with AdamW from --lr")
     folder = Path(args.bench_dir or f"runs/bench-{mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, output_dir=None)

@@ -45,6 +45,7 @@ from ..training.setup import accelerator_for, training_loss
 from ..workload import components
 from ..workload.first_batch import check_fit
 from ..workload.losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
+from ..workload.models import accelerate_autocast_undone
 from .prediction_files import Writer, check_replaceable, check_rows
 
 FORMATS = (".jsonl", ".csv", ".npz")
@@ -105,11 +106,13 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
 
 @contextmanager
 def _mode_kept(model):
-    """The caller's model is left in the mode it was given in (training or evaluation) once evaluated or run."""
+    """The caller's model is left as it was given: in its mode (training or evaluation), and without the autocast
+    Accelerate's `prepare` put around its forward under mixed precision."""
     training = model.training
     try:
         yield
     finally:
+        accelerate_autocast_undone(model)
         model.train(training)
 
 

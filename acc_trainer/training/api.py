@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 from contextlib import contextmanager
 from dataclasses import replace
@@ -22,6 +23,7 @@ from ..distributed import processes
 from ..language import chat
 from ..outputs.runfiles import refuse_a_run_in
 from ..workload import components
+from ..workload.models import accelerate_autocast_undone
 from . import lr_range
 from .loop import run
 
@@ -96,7 +98,7 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     given = {"loss": loss, "metrics": metrics, "collate_fn": collate_fn, "forward": forward, "optimizer": optimizer,
              "scheduler": scheduler, "tokenizer": tokenizer}
     job.unnamed = _unnamed(cfg, job, given)
-    with _random_state_kept():
+    with _random_state_kept(), _forward_kept(model):
         _fresh_accelerator_state()
         return run(cfg, job)
 
@@ -158,9 +160,9 @@ def _found_lr(model, train_data, options: dict, **fit_args) -> float:
     config = fit_args["config"]
     run_folder = options.get("output_dir") or (config.output_dir if config else None)
     resume = options["resume"] if "resume" in options else config.resume if config else None
-    recorded = Path(run_folder, "lr-find", "lr_find.json") if run_folder else None
-    if resume is not None and recorded and recorded.exists():  # a resumed run goes on with the rate it started with
-        suggestion = json.loads(recorded.read_text())["suggestion"]
+    recorded = Path(run_folder, "lr-find", "lr_find.json") if run_folder and resume is not None else None
+    suggestion = _recorded_suggestion(recorded) if recorded else None
+    if suggestion is not None:  # a resumed run goes on with the rate it was started with
         if PartialState().is_main_process:
             print(f"lr=\"find\": resuming with the learning rate the run was started with, {suggestion:.1e} "
                   f"({recorded})")
@@ -172,6 +174,29 @@ def _found_lr(model, train_data, options: dict, **fit_args) -> float:
         print(f"lr=\"find\": suggested learning rate {test.suggestion:.1e} (steepest descent of the smoothed loss; "
               f"figure: {test.figure}); training with it")
     return test.suggestion
+
+
+def _recorded_suggestion(recorded: Path) -> float | None:
+    """The suggestion of the range test a resumed fit(lr="find") started with (None without one), read by the main
+    process for every process; one that suggested none is one line."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state, found = PartialState(), [None]
+    if state.is_main_process and recorded.exists():
+        try:
+            value = json.loads(recorded.read_text())["suggestion"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            value = ConfigError(f"lr=\"find\": {recorded} cannot be read ({type(e).__name__}: {e})")
+        if not isinstance(value, ConfigError) and not (isinstance(value, float) and math.isfinite(value) and value > 0):
+            value = ConfigError(f"lr=\"find\": the range test in {recorded.parent} suggested no learning rate (its "
+                                "curve is in lr_find.json): give lr=, or test again into a new output_dir")
+        found = [value]
+    if state.num_processes > 1:
+        broadcast_object_list(found)
+    if isinstance(found[0], ConfigError):
+        raise found[0]
+    return found[0]
 
 
 def _starting_at(factory, lr: float):
@@ -211,6 +236,16 @@ def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[s
         label = ", ".join(value) if isinstance(value, dict) else getattr(value, "__name__", type(value).__name__)
         unnamed.append(f"{name} {label}")
     return tuple(unnamed)
+
+
+@contextmanager
+def _forward_kept(model):
+    """The caller's model object without the autocast Accelerate's `prepare` put around its forward (mixed
+    precision), whatever ended the run."""
+    try:
+        yield
+    finally:
+        accelerate_autocast_undone(model)
 
 
 @contextmanager
