@@ -256,3 +256,8 @@ def test_the_hand_written_loops_compile_a_model_as_acc_trainer_does():
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     assert isinstance(wrap_model(mlp, "raw", TrainConfig(compile=True), torch.device("cpu")),
                       torch._dynamo.eval_frame.OptimizedModule)
+    # Under DataParallel, whose replicas would copy blocks compiled in place with the original's weights: whole.
+    other = LlamaForCausalLM(llama.config)
+    parallel = wrap_model(other, "dp", TrainConfig(compile=True), torch.device("cpu"))
+    assert isinstance(parallel.module, torch._dynamo.eval_frame.OptimizedModule)
+    assert all(layer._compiled_call_impl is None for layer in other.model.layers)

@@ -226,6 +226,19 @@ def test_a_model_object_comes_back_without_the_runs_autocast_whatever_ends_the_r
     reset_accelerate()
     for model in (compiled, failing, evaluated):
         assert_runs_as_built(model)
+        assert "_is_accelerate_prepared" not in vars(getattr(model, "_orig_mod", model))
+    # A later run prepares the object again, in its own precision: evaluated under bf16 as a fresh model holding its
+    # weights is, and not as under float32.
+    fresh = lm_probe.base_model()
+    fresh.load_state_dict(failing.state_dict())
+    losses = {}
+    with one_thread():
+        for name, model, precision in (("again", failing, "bf16"), ("fresh", fresh, "bf16"), ("fp32", failing, "no")):
+            reset_accelerate()
+            losses[name] = acc_trainer.evaluate(model, lm_probe.documents(4, 1), collate_fn=lm_probe.pad,
+                                                batch_size=4, mixed_precision=precision)["loss"]
+    reset_accelerate()
+    assert losses["again"] == losses["fresh"] != losses["fp32"]
 
 
 def test_compiled_blocks_compile_once_for_every_layer():

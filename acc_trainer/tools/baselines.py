@@ -85,10 +85,12 @@ def prepare_device(cfg: TrainConfig) -> torch.device:
 
 def wrap_model(model: torch.nn.Module, loop: str, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
     """The model channels-last and compiled as the options ask (as acc_trainer compiles it: a model of repeated
-    blocks block by block in place, any other whole), in DDP or DataParallel as the loop has it."""
+    blocks block by block in place, any other whole; whole under DataParallel), in DDP or DataParallel as the loop
+    has it."""
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if cfg.compile and not compile_blocks(model):
+    # DataParallel's replicas copy a block compiled in place with the original's weights in it: compiled whole there.
+    if cfg.compile and (loop == "dp" or not compile_blocks(model)):
         model = torch.compile(model)
     if loop == "raw-ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)

@@ -59,20 +59,32 @@ def mode_of(cfg: TrainConfig) -> str | None:
     kind = sample_kind(first) if first is not None else None
     if kind == "preference":
         raise ConfigError("bench-lm: preference pairs train with --objective dpo")
-    if kind == "messages" and cfg.chat_template and not cfg.train_on_prompt:
-        from ..language.chat import GENERATION, load_chat_template
-
-        template = load_chat_template(_Template(), cfg.chat_template).chat_template
-        if not GENERATION.search(template):  # TRL 1.16 refuses it (get_training_chat_template), after acc_trainer ran
-            raise ConfigError(f"bench-lm against TRL: --chat-template {cfg.chat_template} has no {{% generation %}} "
-                              "blocks, which TRL's SFTTrainer needs to train on the assistant's tokens: give a "
-                              "template with them, or --train-on-prompt")
+    if kind == "messages" and not cfg.train_on_prompt:
+        _check_trl_takes_the_template(cfg)
     return "sft" if kind is not None else None
 
 
-class _Template:
-    """A stand-in tokenizer for reading a --chat-template file (load_chat_template's one-line errors)."""
-    chat_template = None
+def _check_trl_takes_the_template(cfg: TrainConfig) -> None:
+    """TRL's SFTTrainer finds the assistant's tokens through a template's {% generation %} blocks, or a training
+    template of its own for the ones it knows (get_training_chat_template); any other it refuses after acc_trainer's
+    loop has run: one line here instead."""
+    from ..language.chat import load_chat_template
+    from ..language.pretrained import load_tokenizer
+
+    try:
+        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+    except ImportError:  # TRL missing or moved: the bench's own import says so
+        return
+    tokenizer = load_chat_template(load_tokenizer(cfg.tokenizer), cfg.chat_template)
+    if has_generation_markers(tokenizer.chat_template or ""):
+        return
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError:
+        source = f"--chat-template {cfg.chat_template}" if cfg.chat_template else f"{cfg.tokenizer}'s chat template"
+        raise ConfigError(f"bench-lm against TRL: {source} has no {{% generation %}} blocks and is not one TRL "
+                          "knows, so TRL's SFTTrainer cannot find the assistant's tokens: give a template with them, "
+                          "or --train-on-prompt") from None
 
 
 def titles(mode: str) -> dict[str, str]:

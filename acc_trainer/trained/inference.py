@@ -45,7 +45,7 @@ from ..training.setup import accelerator_for, training_loss
 from ..workload import components
 from ..workload.first_batch import check_fit
 from ..workload.losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
-from ..workload.models import accelerate_autocast_undone
+from ..workload.models import accelerate_marks_undone
 from .prediction_files import Writer, check_replaceable, check_rows
 
 FORMATS = (".jsonl", ".csv", ".npz")
@@ -110,9 +110,9 @@ def _mode_kept(model):
     Accelerate's `prepare` put around its forward under mixed precision."""
     training = model.training
     try:
-        yield
+        with accelerate_marks_undone(model):
+            yield
     finally:
-        accelerate_autocast_undone(model)
         model.train(training)
 
 

@@ -23,7 +23,7 @@ from ..distributed import processes
 from ..language import chat
 from ..outputs.runfiles import refuse_a_run_in
 from ..workload import components
-from ..workload.models import accelerate_autocast_undone
+from ..workload.models import accelerate_marks_undone
 from . import lr_range
 from .loop import run
 
@@ -98,7 +98,7 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     given = {"loss": loss, "metrics": metrics, "collate_fn": collate_fn, "forward": forward, "optimizer": optimizer,
              "scheduler": scheduler, "tokenizer": tokenizer}
     job.unnamed = _unnamed(cfg, job, given)
-    with _random_state_kept(), _forward_kept(model):
+    with _random_state_kept(), accelerate_marks_undone(model):
         _fresh_accelerator_state()
         return run(cfg, job)
 
@@ -188,7 +188,8 @@ def _recorded_suggestion(recorded: Path) -> float | None:
             value = json.loads(recorded.read_text())["suggestion"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             value = ConfigError(f"lr=\"find\": {recorded} cannot be read ({type(e).__name__}: {e})")
-        if not isinstance(value, ConfigError) and not (isinstance(value, float) and math.isfinite(value) and value > 0):
+        rate = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        if not isinstance(value, ConfigError) and not rate:
             value = ConfigError(f"lr=\"find\": the range test in {recorded.parent} suggested no learning rate (its "
                                 "curve is in lr_find.json): give lr=, or test again into a new output_dir")
         found = [value]
@@ -236,16 +237,6 @@ def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[s
         label = ", ".join(value) if isinstance(value, dict) else getattr(value, "__name__", type(value).__name__)
         unnamed.append(f"{name} {label}")
     return tuple(unnamed)
-
-
-@contextmanager
-def _forward_kept(model):
-    """The caller's model object without the autocast Accelerate's `prepare` put around its forward (mixed
-    precision), whatever ended the run."""
-    try:
-        yield
-    finally:
-        accelerate_autocast_undone(model)
 
 
 @contextmanager

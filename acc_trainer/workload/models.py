@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -217,25 +218,34 @@ def compile_blocks(model: nn.Module, backend="inductor") -> int:
     return count
 
 
-def accelerate_autocast_undone(model: nn.Module) -> None:
-    """With mixed precision, Accelerate's `prepare` puts its autocast around the model object's `forward` (an
-    attribute set on the object, the original kept as `_original_forward`, which a torch.compile wrapper hands on to
-    the module it wraps). Undone here on the object a caller gave to fit(), evaluate() or predict(), so that its later
-    use runs its own forward in its own precision. Not `unwrap_model(keep_fp32_wrapper=False)`: that follows
-    `__wrapped__` to the innermost function, past the model's own decorators (transformers' `can_return_tuple`), and
-    past a compiled wrapper's forward. Never raises: a failure is a warning, not the run's outcome."""
+_ABSENT = object()
+# What Accelerate's `prepare` sets on the model object it is given (its class untouched): under mixed precision its
+# autocast around `forward`, with the original kept as `_original_forward` (a compiled wrapper hands that one on to
+# the module it wraps); and the mark that makes a later `prepare` of the object return it as it is.
+ACCELERATE_MARKS = ("forward", "_original_forward", "_is_accelerate_prepared")
+
+
+@contextmanager
+def accelerate_marks_undone(model):
+    """The model object a caller gave to fit(), evaluate() or predict() as it was given, whatever ended the run: the
+    attributes of ACCELERATE_MARKS on it (and on a compiled wrapper's module) put back as they were before, so that
+    its later use runs its own forward in its own precision, and a later run prepares it again (under its own
+    precision). Not `unwrap_model(keep_fp32_wrapper=False)`: that follows `__wrapped__` to the innermost function,
+    past the model's own decorators (transformers' `can_return_tuple`) and a compiled wrapper's forward, and leaves
+    the mark. Never raises: a failure is a warning, not the run's outcome."""
+    own = getattr(model, "__dict__", {})
+    holders = [h for h in (model, own.get("_modules", {}).get("_orig_mod")) if h is not None]
+    saved = [(h, {name: h.__dict__.get(name, _ABSENT) for name in ACCELERATE_MARKS}) for h in holders]
     try:
-        holders = [model, model.__dict__.get("_modules", {}).get("_orig_mod")]  # a compiled wrapper's module
-        holder = next((h for h in holders if h is not None and "_original_forward" in h.__dict__), None)
-        target = next((h for h in reversed(holders) if h is not None and "forward" in h.__dict__), None)
-        if holder is None or target is None:
-            return
-        original = holder.__dict__.pop("_original_forward")
-        if getattr(original, "__self__", None) is target and \
-                getattr(original, "__func__", None) is getattr(type(target), "forward", None):
-            del target.__dict__["forward"]  # the class's own method again
-        else:
-            target.__dict__["forward"] = original  # a forward of the object's own (a compiled wrapper's)
-    except Exception as error:  # noqa: BLE001 - the run's own result or error is what the caller gets
-        warnings.warn(f"the model's forward may still run under the run's autocast ({type(error).__name__}: {error})",
-                      stacklevel=2)
+        yield
+    finally:
+        try:
+            for holder, values in saved:
+                for name, value in values.items():
+                    if value is _ABSENT:
+                        holder.__dict__.pop(name, None)
+                    else:
+                        holder.__dict__[name] = value
+        except Exception as error:  # noqa: BLE001 - the run's own result or error is what the caller gets
+            warnings.warn(f"the model object may keep what the run's Accelerator set on it ({type(error).__name__}: "
+                          f"{error})", stacklevel=2)
