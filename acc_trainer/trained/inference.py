@@ -106,8 +106,8 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
 
 @contextmanager
 def _mode_kept(model):
-    """The caller's model is left as it was given: in its mode (training or evaluation), and without the autocast
-    Accelerate's `prepare` put around its forward under mixed precision."""
+    """The caller's model is left as it was given: in its mode (training or evaluation), and without what
+    Accelerate's `prepare` set on it (models.accelerate_marks_undone)."""
     training = model.training
     try:
         with accelerate_marks_undone(model):

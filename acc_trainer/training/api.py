@@ -7,8 +7,6 @@ learning-rate range test (lr_range.py) through the same loop, on a copy of the w
 from __future__ import annotations
 
 import copy
-import json
-import math
 import random
 from contextlib import contextmanager
 from dataclasses import replace
@@ -160,12 +158,12 @@ def _found_lr(model, train_data, options: dict, **fit_args) -> float:
     config = fit_args["config"]
     run_folder = options.get("output_dir") or (config.output_dir if config else None)
     resume = options["resume"] if "resume" in options else config.resume if config else None
-    recorded = Path(run_folder, "lr-find", "lr_find.json") if run_folder and resume is not None else None
-    suggestion = _recorded_suggestion(recorded) if recorded else None
+    recorded = Path(run_folder, "lr-find") if run_folder and resume is not None else None
+    suggestion = _made_by_main(lambda: lr_range.recorded_suggestion(recorded)) if recorded else None
     if suggestion is not None:  # a resumed run goes on with the rate it was started with
         if PartialState().is_main_process:
             print(f"lr=\"find\": resuming with the learning rate the run was started with, {suggestion:.1e} "
-                  f"({recorded})")
+                  f"({recorded / 'lr_find.json'})")
         return suggestion
     if run_folder and resume is None:
         refuse_a_run_in(Path(run_folder))  # before the test: the run itself would be refused after it
@@ -174,30 +172,6 @@ def _found_lr(model, train_data, options: dict, **fit_args) -> float:
         print(f"lr=\"find\": suggested learning rate {test.suggestion:.1e} (steepest descent of the smoothed loss; "
               f"figure: {test.figure}); training with it")
     return test.suggestion
-
-
-def _recorded_suggestion(recorded: Path) -> float | None:
-    """The suggestion of the range test a resumed fit(lr="find") started with (None without one), read by the main
-    process for every process; one that suggested none is one line."""
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
-
-    state, found = PartialState(), [None]
-    if state.is_main_process and recorded.exists():
-        try:
-            value = json.loads(recorded.read_text())["suggestion"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            value = ConfigError(f"lr=\"find\": {recorded} cannot be read ({type(e).__name__}: {e})")
-        rate = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-        if not isinstance(value, ConfigError) and not rate:
-            value = ConfigError(f"lr=\"find\": the range test in {recorded.parent} suggested no learning rate (its "
-                                "curve is in lr_find.json): give lr=, or test again into a new output_dir")
-        found = [value]
-    if state.num_processes > 1:
-        broadcast_object_list(found)
-    if isinstance(found[0], ConfigError):
-        raise found[0]
-    return found[0]
 
 
 def _starting_at(factory, lr: float):
@@ -214,11 +188,17 @@ def _starting_at(factory, lr: float):
 def _concluded(test: lr_range.RangeTest, folder, schedule: lr_range.Schedule, title: str) -> lr_range.RangeTest:
     """The test's curve and suggestion, made by the main process from its run's files and handed to every process;
     a curve too short to suggest from raises its ConfigError on each."""
+    return _made_by_main(lambda: lr_range.conclude(test, folder, schedule, title))
+
+
+def _made_by_main(make):
+    """What `make()` returns on the main process (from files only it reads), handed to every process; a ConfigError
+    it returns is raised on each."""
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
     state = PartialState()
-    made = [lr_range.conclude(test, folder, schedule, title) if state.is_main_process else None]
+    made = [make() if state.is_main_process else None]
     if state.num_processes > 1:
         broadcast_object_list(made)
     if isinstance(made[0], ConfigError):

@@ -151,6 +151,22 @@ def conclude(test: RangeTest, folder: Path, schedule: Schedule, title: str) -> R
     return error or test
 
 
+def recorded_suggestion(folder: Path) -> float | ConfigError | None:
+    """The suggestion the test in `folder` recorded in its lr_find.json (main process), None without the file; a test
+    that suggested none, or a file that cannot be read, as the ConfigError that says so."""
+    path = Path(folder) / "lr_find.json"
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text())["suggestion"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return ConfigError(f'lr="find": {path} cannot be read ({type(e).__name__}: {e})')
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return ConfigError(f'lr="find": the range test in {folder} suggested no learning rate (its curve is in '
+                           "lr_find.json): give lr=, or test again into a new output_dir")
+    return float(value)
+
+
 def smooth(losses: list[float], beta: float = BETA) -> list[float]:
     """fastai's smoothing: an exponential moving average (weight `beta` on the past), divided by 1 - beta**i so that
     the first values are not pulled towards 0."""

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager
 from typing import Callable
 
@@ -232,20 +231,16 @@ def accelerate_marks_undone(model):
     its later use runs its own forward in its own precision, and a later run prepares it again (under its own
     precision). Not `unwrap_model(keep_fp32_wrapper=False)`: that follows `__wrapped__` to the innermost function,
     past the model's own decorators (transformers' `can_return_tuple`) and a compiled wrapper's forward, and leaves
-    the mark. Never raises: a failure is a warning, not the run's outcome."""
+    the mark."""
     own = getattr(model, "__dict__", {})
     holders = [h for h in (model, own.get("_modules", {}).get("_orig_mod")) if h is not None]
     saved = [(h, {name: h.__dict__.get(name, _ABSENT) for name in ACCELERATE_MARKS}) for h in holders]
     try:
         yield
-    finally:
-        try:
-            for holder, values in saved:
-                for name, value in values.items():
-                    if value is _ABSENT:
-                        holder.__dict__.pop(name, None)
-                    else:
-                        holder.__dict__[name] = value
-        except Exception as error:  # noqa: BLE001 - the run's own result or error is what the caller gets
-            warnings.warn(f"the model object may keep what the run's Accelerator set on it ({type(error).__name__}: "
-                          f"{error})", stacklevel=2)
+    finally:  # plain dictionary writes: nothing here can hide the run's own error
+        for holder, values in saved:
+            for name, value in values.items():
+                if value is _ABSENT:
+                    holder.__dict__.pop(name, None)
+                else:
+                    holder.__dict__[name] = value
