@@ -84,11 +84,15 @@ echo "$*" >> "%s"
 exit 0
 '''
 
-# In the trainer's processes (not the launcher's): the HOLD_AT-th backward pass waits (at most 60 s) for a SIGTERM,
-# after writing HOLD_FILE, so that the test signals the job while it trains, whatever the speed of this machine.
+# In the trainer's main process (not the launcher's, not the others'): the HOLD_AT-th backward pass waits (at most
+# 60 s) for a SIGTERM, after writing HOLD_FILE, so that the test signals the job while it trains, whatever the speed
+# of this machine. The other processes wait for it in their own backward's all-reduce; one that held too could get
+# its SIGTERM before reaching its HOLD_AT-th pass and then hold for a signal that had come already, past the
+# launcher's 30 s grace.
 HOLD = '''import os
 import sys
-if os.environ.get("HOLD_AT") and "--output-dir" in sys.orig_argv and "launch" not in sys.orig_argv:
+if (os.environ.get("HOLD_AT") and "--output-dir" in sys.orig_argv and "launch" not in sys.orig_argv
+        and os.environ.get("RANK", "0") == "0"):
     import signal
     import time
     from pathlib import Path
