@@ -58,17 +58,22 @@ def data(job: str) -> tuple[list, list]:
 
 
 def run_jobs(out: Path, names=None) -> None:
+    for name in names or JOBS:
+        run_job(out / name, name)
+
+
+def run_job(folder: Path, name: str) -> None:
+    """The job NAME's run, into FOLDER (tests/engine_probe.py runs them under FSDP2 too)."""
     from accelerate.state import AcceleratorState, GradientState
 
     import acc_trainer
 
-    for name in names or JOBS:
-        options = {k: v for k, v in JOBS[name].items() if k not in ("chat", "seed_by_rank")}
-        seed = int(os.environ.get("RANK", "0")) if JOBS[name].get("seed_by_rank") else 0
-        acc_trainer.fit(base_model(seed), *data(name), tokenizer=chat_tokenizer(TEMPLATE_PLAIN), output_dir=str(out / name),
-                        **{**COMMON, **options})
-        GradientState._reset_state()  # the next fit's Accelerator starts from a fresh state, on the same processes
-        AcceleratorState._reset_state()
+    options = {k: v for k, v in JOBS[name].items() if k not in ("chat", "seed_by_rank")}
+    seed = int(os.environ.get("RANK", "0")) if JOBS[name].get("seed_by_rank") else 0
+    acc_trainer.fit(base_model(seed), *data(name), tokenizer=chat_tokenizer(TEMPLATE_PLAIN), output_dir=str(folder),
+                    **{**COMMON, **options})
+    GradientState._reset_state()  # the next fit's Accelerator starts from a fresh state, on the same processes
+    AcceleratorState._reset_state()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ another run's checkpoint (written under another engine or number of processes).
     acc-trainer launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 \\
         tests/engine_probe.py OUT NAME=JOB[@CHECKPOINT] ...                              (FSDP2, 2 processes)
 
-Each run's folder is OUT/NAME; `@CHECKPOINT` resumes from that checkpoint folder.
+Each run's folder is OUT/NAME; `@CHECKPOINT` resumes from that checkpoint folder. JOB `dpo:DPO_JOB` is
+tests/dpo_probe.py's DPO job of that name (preference pairs, --objective dpo), in the same launch.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def run(out: Path, specs: list[str]) -> None:
 
     for spec in specs:
         name, job = spec.split("=", 1)
+        if job.startswith("dpo:"):
+            import dpo_probe
+
+            dpo_probe.run_job(out / name, job.removeprefix("dpo:"))
+            continue
         job, _, resume = job.partition("@")
         options = {**COMMON, **JOBS[job]}
         if "prompts" in options:

@@ -4,8 +4,8 @@ under FSDP2, checkpoints that move between engines and numbers of processes, and
 A small Llama with tied embeddings (tests/engine_probe.py) trains in full, with LoRA (merged too, with samples
 from a prompt) and with its first layer and the embedding frozen: on 1 plain process, on 2 FSDP2 processes
 (the same jobs, each resumed from its own checkpoint, each continuing the 1-process run's checkpoint), then on 3
-FSDP2 processes and on 1 plain process from the 2-process checkpoints. Every run must end where the uninterrupted
-1-process run ends."""
+FSDP2 processes and on 1 plain process from the 2-process checkpoints; tests/dpo_probe.py's DPO runs (a frozen copy,
+the adapters off) in the same FSDP2 launch. Every run must end where the uninterrupted 1-process run ends."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from lm_probe import base_model, documents, pad  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 JOBS = ("full", "lora", "freeze")
+DPO = ["dpo_full=dpo:full", "dpo_lora=dpo:lora"]  # tests/dpo_probe.py's jobs: a frozen copy, the adapters off
 STEP3 = "checkpoints/step-00000003"
 FSDP = ("--config_file", str(CONFIGS / "fsdp.yaml"))
 
@@ -48,15 +49,19 @@ def runs(tmp_path_factory):
     checkpoint, NAME continuing the 2-process FSDP2 one)."""
     folders = {name: tmp_path_factory.mktemp(name) for name in ("one", "fsdp", "three", "back", "ddp")}
     one, fsdp = folders["one"], folders["fsdp"]
-    run_probe(one, [f"{job}={job}" for job in JOBS])
+    run_probe(one, [f"{job}={job}" for job in JOBS] + DPO)
     run_probe(fsdp, [f"{job}={job}" for job in JOBS] + [f"{job}_resumed={job}@{fsdp / job / STEP3}" for job in JOBS]
-              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS], processes=2)
+              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + DPO, processes=2)
     run_probe(folders["three"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=3)
     run_probe(folders["back"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS])
     ddp = folders["ddp"]
     run_probe(ddp, ["lora_own=lora", f"lora_resumed=lora@{ddp / 'lora_own' / STEP3}"]
               + [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=2, engine=("--multi_gpu",))
     return folders
+
+
+def summary(folder) -> dict:
+    return json.loads((folder / "summary.json").read_text())
 
 
 def weights(folder) -> dict:
@@ -111,6 +116,21 @@ def test_lora_and_frozen_layers_under_fsdp_train_what_one_process_trains(runs):
     # Samples from the prompt, generated with sharded weights (every process runs each forward pass together).
     samples = (fsdp / "lora" / "samples.jsonl").read_text()
     assert samples == (one / "lora" / "samples.jsonl").read_text() and samples.count("\n") == 2
+
+
+def test_dpo_under_fsdp_trains_what_one_process_trains(runs):
+    """DPO on 2 FSDP2 processes, the reference a frozen copy of the whole model or the model with its LoRA adapters
+    off: the final weights within 1e-5 of one process's, every evaluation the same. The LoRA run ends with an
+    evaluation's forward passes without gradients, after which FSDP2 leaves its root module's parameters gathered
+    (plain tensors, not DTensors): its adapter is still gathered from every process and saved in peft's format."""
+    one, fsdp = runs["one"], runs["fsdp"]
+    for job in ("dpo_full", "dpo_lora"):
+        s, reference = summary(fsdp / job), summary(one / job)
+        assert s["distributed_type"] == "FSDP" and s["world_size"] == 2
+        assert distance(weights(fsdp / job), weights(one / job)) <= 1e-5, job
+        assert s["evals"] == [pytest.approx(e, abs=1e-5) for e in reference["evals"]], job
+        assert s["eval"]["reward_margin"] != pytest.approx(0, abs=1e-3)  # the policy moved off its reference
+    assert (fsdp / "dpo_lora" / "adapter_model.safetensors").is_file()
 
 
 def test_fsdp_checkpoints_of_partly_frozen_models_hold_what_trains(runs):

@@ -13,10 +13,13 @@ import torch
 
 
 def is_sharded(model) -> bool:
-    """The model's parameters are split over the processes (FSDP2's DTensors)."""
-    from torch.distributed.tensor import DTensor
+    """The model's parameters are split over the processes: FSDP2 shards some of its modules. Asked of the modules,
+    not of the parameters: after a forward pass without gradients (an evaluation, DPO's reference) FSDP2 leaves
+    the root module's parameters gathered, plain tensors and not DTensors, until its next backward pass or
+    `state_dict()` (torch 2.14)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def full_state(model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
