@@ -7,7 +7,7 @@ another run's checkpoint (written under another engine or number of processes).
         tests/engine_probe.py OUT NAME=JOB[@CHECKPOINT] ...                              (FSDP2, 2 processes)
 
 Each run's folder is OUT/NAME; `@CHECKPOINT` resumes from that checkpoint folder. JOB `dpo:DPO_JOB` is
-tests/dpo_probe.py's DPO job of that name (preference pairs, --objective dpo), in the same launch.
+tests/dpo_probe.py's DPO job of that name (preference pairs, --objective dpo), in the same launch (no @CHECKPOINT).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ JOBS = {
     "full": dict(),
     "lora": dict(lora=4, lora_merge=True, prompts=["w1 w2 w3"], max_new_tokens=4),
     "freeze": dict(freeze=r"embed_tokens|layers\.0\."),
+    # The same layers frozen in the first epoch only (3 steps an epoch), trained from the second.
+    "unfreeze": dict(freeze=r"embed_tokens|layers\.0\.", unfreeze_at=2, batch_size=24),
 }
 
 

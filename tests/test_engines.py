@@ -23,7 +23,9 @@ from lm_probe import base_model, documents, pad  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 JOBS = ("full", "lora", "freeze")
-DPO = ["dpo_full=dpo:full", "dpo_lora=dpo:lora"]  # tests/dpo_probe.py's jobs: a frozen copy, the adapters off
+# In the 1-process and the 2-process FSDP2 runs only: tests/dpo_probe.py's DPO jobs (a frozen copy, the adapters off)
+# and layers frozen until the second epoch.
+MORE = ["dpo_full=dpo:full", "dpo_lora=dpo:lora", "unfreeze=unfreeze"]
 STEP3 = "checkpoints/step-00000003"
 FSDP = ("--config_file", str(CONFIGS / "fsdp.yaml"))
 
@@ -49,9 +51,9 @@ def runs(tmp_path_factory):
     checkpoint, NAME continuing the 2-process FSDP2 one)."""
     folders = {name: tmp_path_factory.mktemp(name) for name in ("one", "fsdp", "three", "back", "ddp")}
     one, fsdp = folders["one"], folders["fsdp"]
-    run_probe(one, [f"{job}={job}" for job in JOBS] + DPO)
+    run_probe(one, [f"{job}={job}" for job in JOBS] + MORE)
     run_probe(fsdp, [f"{job}={job}" for job in JOBS] + [f"{job}_resumed={job}@{fsdp / job / STEP3}" for job in JOBS]
-              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + DPO, processes=2)
+              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE, processes=2)
     run_probe(folders["three"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=3)
     run_probe(folders["back"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS])
     ddp = folders["ddp"]
@@ -121,8 +123,10 @@ def test_lora_and_frozen_layers_under_fsdp_train_what_one_process_trains(runs):
 def test_dpo_under_fsdp_trains_what_one_process_trains(runs):
     """DPO on 2 FSDP2 processes, the reference a frozen copy of the whole model or the model with its LoRA adapters
     off: the final weights within 1e-5 of one process's, every evaluation the same. The LoRA run ends with an
-    evaluation's forward passes without gradients, after which FSDP2 leaves its root module's parameters gathered
-    (plain tensors, not DTensors): its adapter is still gathered from every process and saved in peft's format."""
+    evaluation's forward passes without gradients, after which FSDP2 left every parameter gathered (plain tensors, not
+    DTensors: the probe's Llama is too small for fsdp.yaml's size-based wrapping, so all of them sit in the groups
+    that do not reshard after a forward pass): its adapter is still gathered from every process and saved in peft's
+    format."""
     one, fsdp = runs["one"], runs["fsdp"]
     for job in ("dpo_full", "dpo_lora"):
         s, reference = summary(fsdp / job), summary(one / job)
@@ -130,7 +134,17 @@ def test_dpo_under_fsdp_trains_what_one_process_trains(runs):
         assert distance(weights(fsdp / job), weights(one / job)) <= 1e-5, job
         assert s["evals"] == [pytest.approx(e, abs=1e-5) for e in reference["evals"]], job
         assert s["eval"]["reward_margin"] != pytest.approx(0, abs=1e-3)  # the policy moved off its reference
-    assert (fsdp / "dpo_lora" / "adapter_model.safetensors").is_file()
+
+
+def test_layers_frozen_until_an_epoch_stay_so_under_fsdp(runs):
+    """--freeze with --unfreeze-at 2 on 2 FSDP2 processes: the first epoch leaves the frozen layers as they were and
+    the second trains them, as on one process (FSDP2 replaces every parameter when it shards the model: the gradients
+    dropped until then must be the sharded parameters')."""
+    one, fsdp = runs["one"], runs["fsdp"]
+    assert distance(weights(fsdp / "unfreeze"), weights(one / "unfreeze")) <= 1e-5
+    # The layers frozen in the first epoch trained in the second (on one process, as the uninterrupted reference).
+    start, trained = base_model().state_dict(), weights(one / "unfreeze")
+    assert max((trained[k] - start[k]).abs().max().item() for k in trained if k.startswith("model.layers.0.")) > 1e-3
 
 
 def test_fsdp_checkpoints_of_partly_frozen_models_hold_what_trains(runs):

@@ -14,9 +14,10 @@ import torch
 
 def is_sharded(model) -> bool:
     """The model's parameters are split over the processes: FSDP2 shards some of its modules. Asked of the modules,
-    not of the parameters: after a forward pass without gradients (an evaluation, DPO's reference) FSDP2 leaves
-    the root module's parameters gathered, plain tensors and not DTensors, until its next backward pass or
-    `state_dict()` (torch 2.14)."""
+    not of the parameters: the parameter groups that do not reshard after a forward pass (the root's, and
+    Accelerate's group of embeddings, final norm and head) can be left gathered, plain tensors and not DTensors,
+    until the next backward pass or `state_dict()` (torch 2.14: seen after a DPO run's last evaluation); a model
+    too small to wrap in parts has all of its parameters there and then showed no DTensor at all."""
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())

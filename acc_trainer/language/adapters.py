@@ -119,6 +119,16 @@ def frozen_digest(model) -> dict | None:
     return {"parameters": count, "sha256": digest.hexdigest()} if count else None
 
 
+def found_again(model, names: set) -> list:
+    """The parameters NAMES (--freeze's, found before `prepare`) of the prepared model. FSDP2's `fully_shard`
+    replaces every parameter with a sharded one, a new object: gradients dropped from the old ones until
+    --unfreeze-at would leave the layers training. DDP and DeepSpeed keep the objects: the same ones again."""
+    found = [p for name, p in model.named_parameters() if name in names]
+    if len(found) != len(names):  # renamed by a wrapper: they would train while meant to be frozen
+        raise RuntimeError(f"--freeze: {len(found)} of its {len(names)} parameters found after prepare; please report")
+    return found
+
+
 def without_frozen(model, state: dict) -> dict:
     """`state` (the model's state dict) less the frozen parameters (tied names included): what a checkpoint keeps.
     An OrderedDict, as a state dict is: Accelerate then writes a tensor shared by two names (tied weights) once."""

@@ -53,6 +53,7 @@ class Tuning:
 
     init: dict | None = None
     frozen: list = field(default_factory=list)  # parameters frozen until --unfreeze-at (or for good)
+    frozen_names: set = field(default_factory=set)  # their names, which `prepare` keeps (`_frozen_once_prepared`)
     frozen_norms: list = field(default_factory=list)  # BatchNorm layers whose parameters are all frozen
     notes: list[str] = field(default_factory=list)
 
@@ -228,11 +229,10 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler,
         device_placement=_placement(accelerator, train_loader, eval_loader))
+    _frozen_once_prepared(tuning, frozen, accelerator, model, group.engine)
     ema, averaged = _ema(cfg, accelerator, model)
     trained = Trained(model, optimizer, scheduler, ema, averaged, tuning, input_dtype, flops, shapes,
                       adapters.parameter_counts(model, tuning.frozen if cfg.unfreeze_at else None), frozen)
-    if frozen and group.engine == "DDP":  # checkpoints hold what trains (a hook: save_state gathers the weights inside;
-        accelerator.register_save_state_pre_hook(_trainable_only)  # FSDP's: patches.sharded_trainable_only)
     state = _state(cfg, accelerator, job, origin, trained, checked, shape)
     shape.start_step = state.step
     notes += _start_notes(cfg, origin, world, job.data.notes)
@@ -524,11 +524,20 @@ def _freeze(cfg: TrainConfig, model, out: Tuning) -> None:
             if name in names:
                 out.frozen.append(p)
                 p.requires_grad_(cfg.unfreeze_at is not None)
+        out.frozen_names = names
         frozen = {id(p) for p in out.frozen}
         out.frozen_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
                             and any(True for _ in m.parameters()) and all(id(p) in frozen for p in m.parameters())]
         out.notes.append(f"frozen: {len(names)} parameters matching {cfg.freeze!r}"
                          + (f", trained from epoch {cfg.unfreeze_at}" if cfg.unfreeze_at else ""))
+
+
+def _frozen_once_prepared(tuning: Tuning, frozen: dict | None, accelerator: Accelerator, model, engine: str) -> None:
+    """What --freeze needs once the model is prepared: its parameters as the model now holds them; under DDP,
+    checkpoints of what trains (a hook, as save_state gathers the weights; FSDP2's: patches.sharded_trainable_only)."""
+    if frozen and engine == "DDP":
+        accelerator.register_save_state_pre_hook(_trainable_only)
+    tuning.frozen = adapters.found_again(accelerator.unwrap_model(model, keep_torch_compile=False), tuning.frozen_names)
 
 
 def _ema(cfg: TrainConfig, accelerator: Accelerator, model) -> tuple:
