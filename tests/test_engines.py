@@ -134,6 +134,7 @@ def test_dpo_under_fsdp_trains_what_one_process_trains(runs):
         assert distance(weights(fsdp / job), weights(one / job)) <= 1e-5, job
         assert s["evals"] == [pytest.approx(e, abs=1e-5) for e in reference["evals"]], job
         assert s["eval"]["reward_margin"] != pytest.approx(0, abs=1e-3)  # the policy moved off its reference
+    assert (fsdp / "dpo_lora" / "adapter_model.safetensors").is_file()  # peft's format
 
 
 def test_layers_frozen_until_an_epoch_stay_so_under_fsdp(runs):
@@ -142,9 +143,15 @@ def test_layers_frozen_until_an_epoch_stay_so_under_fsdp(runs):
     dropped until then must be the sharded parameters')."""
     one, fsdp = runs["one"], runs["fsdp"]
     assert distance(weights(fsdp / "unfreeze"), weights(one / "unfreeze")) <= 1e-5
-    # The layers frozen in the first epoch trained in the second (on one process, as the uninterrupted reference).
+    # The evaluation at step 3, the first epoch's end, and the one at the end are one process's.
+    assert summary(fsdp / "unfreeze")["evals"] == [pytest.approx(e, abs=1e-5) for e in summary(one / "unfreeze")["evals"]]
+    # On one process the layers are the factory's at the first epoch's end (its step-3 checkpoint holds them: they
+    # train later) and trained in the second.
     start, trained = base_model().state_dict(), weights(one / "unfreeze")
-    assert max((trained[k] - start[k]).abs().max().item() for k in trained if k.startswith("model.layers.0.")) > 1e-3
+    at_3 = load_file(one / "unfreeze" / STEP3 / "model.safetensors")
+    names = [k for k in start if k.startswith(("model.embed_tokens", "model.layers.0."))]
+    assert names and all(torch.equal(at_3[k], start[k]) for k in names)
+    assert max((trained[k] - start[k]).abs().max().item() for k in names if k in trained) > 1e-3
 
 
 def test_fsdp_checkpoints_of_partly_frozen_models_hold_what_trains(runs):

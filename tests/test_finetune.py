@@ -316,3 +316,22 @@ def test_a_scheduler_by_import_path_from_the_command_line(project, tmp_path):
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
            if '"lr"' in line]
     assert lrs[:3] == [1e-3, 1e-3, 1e-3] and lrs[4:7] == [5e-4, 5e-4, 5e-4] and lrs[-1] == 2.5e-4
+
+
+def test_frozen_parameters_are_found_again_under_the_names_wrappers_give():
+    """Under FSDP2, --freeze's parameters are found again by name once prepared (fully_shard replaces them): names
+    taken from a model its user compiled, or asked of layers that Accelerate's FSDP2 activation checkpointing wrapped,
+    find the same parameters; a name found nowhere is an error, not layers silently left training."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from acc_trainer.language.adapters import found_again
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    compiled = torch.compile(model, backend="eager")
+    names = {name for name, _ in compiled.named_parameters() if name.startswith("_orig_mod.0.")}
+    first = [model[0].weight, model[0].bias]
+    for prepared in (model, compiled, nn.Sequential(checkpoint_wrapper(model[0]), model[1])):
+        found = found_again(prepared, names)
+        assert len(found) == 2 and all(a is b for a, b in zip(found, first)), prepared
+    with pytest.raises(RuntimeError, match="0 of its 1 parameters"):
+        found_again(model, {"2.weight"})

@@ -120,11 +120,16 @@ def frozen_digest(model) -> dict | None:
 
 
 def found_again(model, names: set) -> list:
-    """The parameters NAMES (--freeze's, found before `prepare`) of the prepared model. FSDP2's `fully_shard`
-    replaces every parameter with a sharded one, a new object: gradients dropped from the old ones until
-    --unfreeze-at would leave the layers training. DDP and DeepSpeed keep the objects: the same ones again."""
-    found = [p for name, p in model.named_parameters() if name in names]
-    if len(found) != len(names):  # renamed by a wrapper: they would train while meant to be frozen
+    """The parameters NAMES (--freeze's, found before `prepare`) of a model FSDP2 has sharded: `fully_shard` replaces
+    every parameter with a sharded one, a new object, and gradients dropped from the old ones until --unfreeze-at
+    would leave the layers training (DDP and DeepSpeed keep the objects). Names are compared as Accelerate compares
+    them for FSDP2 (`fsdp2_canonicalize_names`: without torch.compile's `_orig_mod` and activation checkpointing's
+    `_checkpoint_wrapped_module`, which a model compiled by its user or Accelerate's FSDP2 options add)."""
+    from accelerate.utils.fsdp_utils import fsdp2_canonicalize_names
+
+    wanted = fsdp2_canonicalize_names(dict.fromkeys(names))
+    found = [p for name, p in fsdp2_canonicalize_names(dict(model.named_parameters())).items() if name in wanted]
+    if len(found) != len(names):  # renamed otherwise: they would train while meant to be frozen
         raise RuntimeError(f"--freeze: {len(found)} of its {len(names)} parameters found after prepare; please report")
     return found
 

@@ -520,11 +520,9 @@ def _freeze(cfg: TrainConfig, model, out: Tuning) -> None:
         if not names:
             raise ConfigError(f"--freeze {cfg.freeze!r} matches no parameter (names such as "
                               f"{next(iter(dict(model.named_parameters())), '-')!r})")
-        for name, p in model.named_parameters():
-            if name in names:
-                out.frozen.append(p)
-                p.requires_grad_(cfg.unfreeze_at is not None)
-        out.frozen_names = names
+        out.frozen, out.frozen_names = [p for name, p in model.named_parameters() if name in names], names
+        for p in out.frozen:
+            p.requires_grad_(cfg.unfreeze_at is not None)
         frozen = {id(p) for p in out.frozen}
         out.frozen_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
                             and any(True for _ in m.parameters()) and all(id(p) in frozen for p in m.parameters())]
@@ -533,11 +531,12 @@ def _freeze(cfg: TrainConfig, model, out: Tuning) -> None:
 
 
 def _frozen_once_prepared(tuning: Tuning, frozen: dict | None, accelerator: Accelerator, model, engine: str) -> None:
-    """What --freeze needs once the model is prepared: its parameters as the model now holds them; under DDP,
-    checkpoints of what trains (a hook, as save_state gathers the weights; FSDP2's: patches.sharded_trainable_only)."""
+    """--freeze once the model is prepared: FSDP2's sharded parameters in place of those it replaced
+    (adapters.found_again); under DDP, checkpoints of what trains (a hook; FSDP2's: patches.sharded_trainable_only)."""
     if frozen and engine == "DDP":
         accelerator.register_save_state_pre_hook(_trainable_only)
-    tuning.frozen = adapters.found_again(accelerator.unwrap_model(model, keep_torch_compile=False), tuning.frozen_names)
+    if accelerator.is_fsdp2:
+        tuning.frozen = adapters.found_again(model, tuning.frozen_names)
 
 
 def _ema(cfg: TrainConfig, accelerator: Accelerator, model) -> tuple:
