@@ -46,6 +46,9 @@ JOBS = {
     "full": dict(checkpoint_every=3),  # a frozen copy of the starting weights as the reference
     "accumulated": dict(micro_batch="2"),  # the same, 2 pairs a pass
     "lora": dict(lora=4, chat=False),  # the reference: the model with its adapters off
+    # As "lora", the model without transformers' _no_split_modules: under FSDP2 (fsdp.yaml) sharded whole, one unit,
+    # whose parameters FSDP2 leaves gathered after a forward pass without gradients. On 1 process it is "lora".
+    "lora_whole": dict(lora=4, chat=False, whole=True),
     # As "full", with the model built from another seed on each process (a fit() model built without seeding): every
     # process starts from process 0's weights, and so must its reference. On 1 process it is "full".
     "unequal": dict(seed_by_rank=True),
@@ -68,9 +71,11 @@ def run_job(folder: Path, name: str) -> None:
 
     import acc_trainer
 
-    options = {k: v for k, v in JOBS[name].items() if k not in ("chat", "seed_by_rank")}
-    seed = int(os.environ.get("RANK", "0")) if JOBS[name].get("seed_by_rank") else 0
-    acc_trainer.fit(base_model(seed), *data(name), tokenizer=chat_tokenizer(TEMPLATE_PLAIN), output_dir=str(folder),
+    options = {k: v for k, v in JOBS[name].items() if k not in ("chat", "seed_by_rank", "whole")}
+    model = base_model(int(os.environ.get("RANK", "0")) if JOBS[name].get("seed_by_rank") else 0)
+    if JOBS[name].get("whole"):
+        model._no_split_modules = []
+    acc_trainer.fit(model, *data(name), tokenizer=chat_tokenizer(TEMPLATE_PLAIN), output_dir=str(folder),
                     **{**COMMON, **options})
     GradientState._reset_state()  # the next fit's Accelerator starts from a fresh state, on the same processes
     AcceleratorState._reset_state()

@@ -25,7 +25,7 @@ from safetensors.torch import load_file  # noqa: E402
 JOBS = ("full", "lora", "freeze")
 # In the 1-process and the 2-process FSDP2 runs only: tests/dpo_probe.py's DPO jobs (a frozen copy, the adapters off)
 # and layers frozen until the second epoch.
-MORE = ["dpo_full=dpo:full", "dpo_lora=dpo:lora", "unfreeze=unfreeze"]
+MORE = ["dpo_full=dpo:full", "dpo_lora=dpo:lora", "dpo_whole=dpo:lora_whole", "unfreeze=unfreeze"]
 STEP3 = "checkpoints/step-00000003"
 FSDP = ("--config_file", str(CONFIGS / "fsdp.yaml"))
 
@@ -122,19 +122,19 @@ def test_lora_and_frozen_layers_under_fsdp_train_what_one_process_trains(runs):
 
 def test_dpo_under_fsdp_trains_what_one_process_trains(runs):
     """DPO on 2 FSDP2 processes, the reference a frozen copy of the whole model or the model with its LoRA adapters
-    off: the final weights within 1e-5 of one process's, every evaluation the same. The LoRA run ends with an
-    evaluation's forward passes without gradients, after which FSDP2 left every parameter gathered (plain tensors, not
-    DTensors: the probe's Llama is too small for fsdp.yaml's size-based wrapping, so all of them sit in the groups
-    that do not reshard after a forward pass): its adapter is still gathered from every process and saved in peft's
-    format."""
+    off, the model sharded layer by layer (fsdp.yaml: a decoder layer a unit) or whole: the final weights within 1e-5
+    of one process's, every evaluation the same. Sharded whole, the LoRA run ends with an evaluation's forward passes
+    without gradients, after which FSDP2 leaves every parameter gathered (plain tensors, not DTensors): its adapter
+    is still gathered from every process and saved in peft's format (it failed there before)."""
     one, fsdp = runs["one"], runs["fsdp"]
-    for job in ("dpo_full", "dpo_lora"):
-        s, reference = summary(fsdp / job), summary(one / job)
+    for job, alone in (("dpo_full", "dpo_full"), ("dpo_lora", "dpo_lora"), ("dpo_whole", "dpo_lora")):
+        s, reference = summary(fsdp / job), summary(one / alone)
         assert s["distributed_type"] == "FSDP" and s["world_size"] == 2
-        assert distance(weights(fsdp / job), weights(one / job)) <= 1e-5, job
+        assert distance(weights(fsdp / job), weights(one / alone)) <= 1e-5, job
         assert s["evals"] == [pytest.approx(e, abs=1e-5) for e in reference["evals"]], job
         assert s["eval"]["reward_margin"] != pytest.approx(0, abs=1e-3)  # the policy moved off its reference
-    assert (fsdp / "dpo_lora" / "adapter_model.safetensors").is_file()  # peft's format
+    for job in ("dpo_lora", "dpo_whole"):
+        assert (fsdp / job / "adapter_model.safetensors").is_file()  # peft's format
 
 
 def test_layers_frozen_until_an_epoch_stay_so_under_fsdp(runs):
