@@ -46,8 +46,9 @@ JOBS = {
     "full": dict(checkpoint_every=3),  # a frozen copy of the starting weights as the reference
     "accumulated": dict(micro_batch="2"),  # the same, 2 pairs a pass
     "lora": dict(lora=4, chat=False),  # the reference: the model with its adapters off
-    # As "lora", the model without transformers' _no_split_modules: under FSDP2 (fsdp.yaml) sharded whole, one unit,
-    # whose parameters FSDP2 leaves gathered after a forward pass without gradients. On 1 process it is "lora".
+    # As "lora", the model without transformers' _no_split_modules: under FSDP2 (fsdp.yaml) not cut by layers (the
+    # root and Accelerate's embeddings unit), whose parameters FSDP2 leaves gathered after a forward pass without
+    # gradients. On 1 process it is "lora".
     "lora_whole": dict(lora=4, chat=False, whole=True),
     # As "full", with the model built from another seed on each process (a fit() model built without seeding): every
     # process starts from process 0's weights, and so must its reference. On 1 process it is "full".

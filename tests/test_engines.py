@@ -24,8 +24,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 JOBS = ("full", "lora", "freeze")
 # In the 1-process and the 2-process FSDP2 runs only: tests/dpo_probe.py's DPO jobs (a frozen copy, the adapters off)
-# and layers frozen until the second epoch.
-MORE = ["dpo_full=dpo:full", "dpo_lora=dpo:lora", "dpo_whole=dpo:lora_whole", "unfreeze=unfreeze"]
+# and layers frozen until the second epoch; on 2 processes also DPO with LoRA on the model not cut by layers.
+MORE = ["dpo_full=dpo:full", "dpo_lora=dpo:lora", "unfreeze=unfreeze"]
 STEP3 = "checkpoints/step-00000003"
 FSDP = ("--config_file", str(CONFIGS / "fsdp.yaml"))
 
@@ -53,7 +53,8 @@ def runs(tmp_path_factory):
     one, fsdp = folders["one"], folders["fsdp"]
     run_probe(one, [f"{job}={job}" for job in JOBS] + MORE)
     run_probe(fsdp, [f"{job}={job}" for job in JOBS] + [f"{job}_resumed={job}@{fsdp / job / STEP3}" for job in JOBS]
-              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE, processes=2)
+              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE + ["dpo_whole=dpo:lora_whole"],
+              processes=2)
     run_probe(folders["three"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=3)
     run_probe(folders["back"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS])
     ddp = folders["ddp"]
@@ -122,8 +123,8 @@ def test_lora_and_frozen_layers_under_fsdp_train_what_one_process_trains(runs):
 
 def test_dpo_under_fsdp_trains_what_one_process_trains(runs):
     """DPO on 2 FSDP2 processes, the reference a frozen copy of the whole model or the model with its LoRA adapters
-    off, the model sharded layer by layer (fsdp.yaml: a decoder layer a unit) or whole: the final weights within 1e-5
-    of one process's, every evaluation the same. Sharded whole, the LoRA run ends with an evaluation's forward passes
+    off, the model cut by its layers (fsdp.yaml: a decoder layer a unit) or not: the final weights within 1e-5 of one
+    process's, every evaluation the same. Not cut by layers, the LoRA run ends with an evaluation's forward passes
     without gradients, after which FSDP2 leaves every parameter gathered (plain tensors, not DTensors): its adapter
     is still gathered from every process and saved in peft's format (it failed there before)."""
     one, fsdp = runs["one"], runs["fsdp"]

@@ -17,8 +17,8 @@ def is_sharded(model) -> bool:
     not of the parameters: the parameter groups that do not reshard after a forward pass (the root's, and
     Accelerate's group of embeddings, final norm and head) can be left gathered, plain tensors and not DTensors,
     until the next backward pass or `state_dict()` (torch 2.14: seen after a DPO run's last evaluation); a model
-    sharded whole (no decoder layers for fsdp.yaml's policy to make units of) has all of its parameters there and
-    then showed no DTensor at all."""
+    not cut by layers (none for fsdp.yaml's policy to make units of) has all of its parameters there and then
+    showed no DTensor at all."""
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
