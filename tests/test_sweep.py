@@ -94,7 +94,10 @@ def test_a_stopped_sweep_continues_with_two_workers(tmp_path, monkeypatch):
     assert list(trials[1].intermediate_values) == [10] and trials[1].intermediate_values[10] > evals[10]
     assert not (folder / "trial-1" / "checkpoints").exists()  # a pruned trial never continues
     assert "acc-trainer: stopped by SIGTERM at step " in (folder / "trial-1" / "trial.log").read_text()
-    assert json.loads((folder / "trial-1" / "metrics.jsonl").read_text().splitlines()[-1])["step"] < 1000
+    # Stopped long before its 100,000 steps. Not a tight bound: a step of this model takes about 0.4 ms, so the 0.2 s
+    # between reads of metrics.jsonl, the pruner's answer from the shared SQLite file and the signal are hundreds of
+    # steps unloaded and over a thousand on a busy machine (1,080 seen in CI).
+    assert json.loads((folder / "trial-1" / "metrics.jsonl").read_text().splitlines()[-1])["step"] < 25_000
 
     # The worker that ends last (or both) shows the study as a whole.
     last = next(out for out in outs if "study space: 2 trials, 1 complete, 1 pruned" in out)
