@@ -7,7 +7,8 @@ another run's checkpoint (written under another engine or number of processes).
         tests/engine_probe.py OUT NAME=JOB[@CHECKPOINT] ...                              (FSDP2, 2 processes)
 
 Each run's folder is OUT/NAME; `@CHECKPOINT` resumes from that checkpoint folder. JOB `dpo:DPO_JOB` is
-tests/dpo_probe.py's DPO job of that name (preference pairs, --objective dpo), in the same launch (no @CHECKPOINT).
+tests/dpo_probe.py's DPO job of that name (preference pairs, --objective dpo), in the same launch (no @CHECKPOINT);
+JOB `wrap:WRAP` the full job under one of WRAPS' auto-wrap policies (FSDP2), refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ JOBS = {
     "freeze": dict(freeze=r"embed_tokens|layers\.0\."),
     # The same layers frozen in the first epoch only (3 steps an epoch), trained from the second.
     "unfreeze": dict(freeze=r"embed_tokens|layers\.0\.", unfreeze_at=2, batch_size=24),
+}
+# The full job under auto-wrap policies of a user's own accelerate config (FSDP2): each is refused in one line before
+# `prepare` (OUT/NAME/refused.txt holds the line), where Accelerate would fail with torch's traceback. The model's
+# decoder layers hold 9,280 parameters each, `model.layers` 18,560, `model` (with the embedding) 20,640.
+WRAPS = {
+    "list": {"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1000"},
+    "embedding": {"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "19000"},
+    "class": {"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block"},
 }
 
 
@@ -52,6 +61,9 @@ def run(out: Path, specs: list[str]) -> None:
 
             dpo_probe.run_job(out / name, job.removeprefix("dpo:"))
             continue
+        if job.startswith("wrap:"):
+            _refused(out / name, WRAPS[job.removeprefix("wrap:")])
+            continue
         job, _, resume = job.partition("@")
         options = {**COMMON, **JOBS[job]}
         if "prompts" in options:
@@ -59,6 +71,31 @@ def run(out: Path, specs: list[str]) -> None:
         acc_trainer.fit(base_model(), documents(72, 0), documents(16, 1), output_dir=str(out / name),
                         **options, **({"resume": resume} if resume else {}))
         GradientState._reset_state()  # the next fit's Accelerator starts from a fresh state, on the same processes
+        AcceleratorState._reset_state()
+
+
+def _refused(folder: Path, config: dict) -> None:
+    """The full job with CONFIG's FSDP_ variables (what accelerate launch sets from a config's fsdp_config); the error
+    it stops with in FOLDER/refused.txt."""
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    import acc_trainer
+    from acc_trainer.config import ConfigError
+
+    before = {key: os.environ.get(key) for key in config}
+    os.environ.update(config)
+    try:
+        acc_trainer.fit(base_model(), documents(72, 0), documents(16, 1), output_dir=str(folder), **COMMON)
+    except ConfigError as e:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "refused.txt").write_text(str(e))
+    finally:
+        os.environ.update({key: value for key, value in before.items() if value is not None})
+        for key in (key for key, value in before.items() if value is None):
+            del os.environ[key]
+        GradientState._reset_state()
         AcceleratorState._reset_state()
 
 

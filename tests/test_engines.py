@@ -53,8 +53,8 @@ def runs(tmp_path_factory):
     one, fsdp = folders["one"], folders["fsdp"]
     run_probe(one, [f"{job}={job}" for job in JOBS] + MORE)
     run_probe(fsdp, [f"{job}={job}" for job in JOBS] + [f"{job}_resumed={job}@{fsdp / job / STEP3}" for job in JOBS]
-              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE + ["dpo_whole=dpo:lora_whole"],
-              processes=2)
+              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE + ["dpo_whole=dpo:lora_whole"]
+              + [f"wrap_{wrap}=wrap:{wrap}" for wrap in engine_probe.WRAPS], processes=2)
     run_probe(folders["three"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=3)
     run_probe(folders["back"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS])
     ddp = folders["ddp"]
@@ -225,6 +225,25 @@ def test_consolidate_writes_any_checkpoint_as_a_folder_from_pretrained_loads(run
     assert main_in_process("consolidate", str(fsdp / "full" / STEP3), str(tmp_path / "fsdp"))[2] == (
         f"acc-trainer: error: {tmp_path / 'fsdp'} exists and is not an empty folder: nothing is written over it\n")
     assert not (tmp_path / "x").exists()
+
+
+def test_auto_wrap_policies_accelerate_cannot_shard_with_are_one_line(runs):
+    """A user's accelerate config whose auto-wrap policy Accelerate 1.15's FSDP2 would fail on in `prepare`, with
+    torch's traceback: one line naming the unit, before anything is written (the launch went on to its next job)."""
+    fsdp = runs["fsdp"]
+    use = ("use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does, with the model's "
+           "repeated block in fsdp_transformer_layer_cls_to_wrap unless it is a transformers model")
+    said = {wrap: (fsdp / f"wrap_{wrap}" / "refused.txt").read_text() for wrap in engine_probe.WRAPS}
+    assert said == {
+        "list": "the accelerate config's fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params 1,000) makes "
+                "model.layers (a ModuleList of 18,560 parameters) an FSDP2 unit, and torch's fully_shard takes only "
+                f"modules with a forward: {use}",
+        "embedding": "the accelerate config's fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params 19,000) makes "
+                     "model (LlamaModel) an FSDP2 unit, and it holds model.embed_tokens, which Accelerate makes a unit "
+                     f"of its own (the embedding, the final norm and the head are): {use}",
+        "class": "the accelerate config's fsdp_transformer_layer_cls_to_wrap names GPT2Block, and the model has no "
+                 "module of that class (its repeated block: LlamaDecoderLayer)"}
+    assert all([p.name for p in (fsdp / f"wrap_{wrap}").iterdir()] == ["refused.txt"] for wrap in said)
 
 
 def test_fsdp_setups_that_cannot_run_here_are_one_line(main_in_process, monkeypatch, tmp_path):

@@ -154,18 +154,69 @@ def deepspeed_plugin(cfg: TrainConfig) -> DeepSpeedPlugin:
     return plugin
 
 
-def prepare_deepspeed(accelerator: Accelerator, per_process_batch: int) -> torch.dtype | None:
-    """Before `prepare` under DeepSpeed; returns the dtype batches must have (None: as they are).
+def before_prepare(accelerator: Accelerator, model: torch.nn.Module, per_process_batch: int) -> torch.dtype | None:
+    """Before `prepare`: FSDP2's units checked (`_check_units`), DeepSpeed told the batch; returns the dtype batches
+    must have (None: as they are).
 
     The training loader's batches come from a batch sampler, so DeepSpeed is told the per-process
     batch; and its bf16/fp16 casts the weights themselves (no autocast), so batches are cast to match.
     """
+    _check_units(accelerator, model)
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return None
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     config["train_micro_batch_size_per_gpu"] = per_process_batch
     config["train_batch_size"] = per_process_batch * config["gradient_accumulation_steps"] * accelerator.num_processes
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+
+
+def _check_units(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Under FSDP2, the units the accelerate config's auto-wrap policy would cut the model into, checked where
+    Accelerate 1.15's `prepare` would stop with torch's traceback: a unit that is a ModuleList or ModuleDict (torch's
+    fully_shard takes modules with a forward only; SIZE_BASED_WRAP picks a model's `layers` list once it holds more
+    than fsdp_min_num_params), a unit that holds the embedding, final norm or head (Accelerate then makes those units
+    of their own, and torch refuses weights already in a unit), and a layer class the model has no module of."""
+    if not (accelerator.is_fsdp2 and patches.tested("accelerate")):
+        return  # Accelerate's FSDP2 preparation, as mirrored here, was read in 1.15
+    from accelerate.utils.fsdp_utils import _find_final_norm, fsdp2_prepare_auto_wrap_policy
+    from accelerate.utils.other import get_module_children_bottom_up
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    plugin = accelerator.state.fsdp_plugin
+    kind = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    classes = {type(module).__name__ for module in model.modules()}
+    named = (plugin.transformer_cls_names_to_wrap or []) if kind is transformer_auto_wrap_policy else []
+    blocks = getattr(model, "_no_split_modules", None) or []
+    for name in (name for name in named if name not in classes):
+        raise ConfigError(f"the accelerate config's fsdp_transformer_layer_cls_to_wrap names {name}, and the model has "
+                          "no module of that class" + (f" (its repeated block: {', '.join(blocks)})" if blocks else ""))
+    plugin.set_auto_wrap_policy(model)  # as Accelerate's prepare does (its second call changes nothing)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is None:
+        return
+    sized = kind is size_based_auto_wrap_policy
+    how = (f"fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params {plugin.min_num_params:,})" if sized else
+           "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP (layer classes "
+           f"{', '.join(plugin.transformer_cls_names_to_wrap or [])})")
+    fix = ("use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does, with the model's "
+           "repeated block in fsdp_transformer_layer_cls_to_wrap unless it is a transformers model")
+    names = {id(module): name for name, module in model.named_modules()}
+    units = [module for module in get_module_children_bottom_up(model)[:-1] if policy(module)]
+    for unit in units:
+        if isinstance(unit, (torch.nn.ModuleList, torch.nn.ModuleDict)) and type(unit).forward is torch.nn.Module.forward:
+            size = sum(p.numel() for p in unit.parameters())
+            raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} (a {type(unit).__name__} of "
+                              f"{size:,} parameters) an FSDP2 unit, and torch's fully_shard takes only modules with a "
+                              f"forward: {fix}")
+    own = [getattr(model, "get_input_embeddings", lambda: None)(), getattr(model, "get_output_embeddings", lambda: None)(),
+           _find_final_norm(model)]
+    for unit in units:
+        inside = [m for m in own if m is not None and m is not unit and not any(m is u for u in units)
+                  and any(m is sub for sub in unit.modules())]
+        if inside:
+            raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} ({type(unit).__name__}) an FSDP2 "
+                              f"unit, and it holds {names[id(inside[0])]}, which Accelerate makes a unit of its own "
+                              f"(the embedding, the final norm and the head are): {fix}")
 
 
 def zero_stage() -> int:

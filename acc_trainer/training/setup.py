@@ -225,7 +225,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed, group.engine)
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
                                               accelerator.process_index, processes.summing(accelerator), job.dataset_name)
-    input_dtype = engines.prepare_deepspeed(accelerator, cfg.batch_size // (world * cfg.grad_accum))
+    input_dtype = engines.before_prepare(accelerator, model, cfg.batch_size // (world * cfg.grad_accum))
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler,
         device_placement=_placement(accelerator, train_loader, eval_loader))
