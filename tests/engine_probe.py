@@ -8,7 +8,7 @@ another run's checkpoint (written under another engine or number of processes).
 
 Each run's folder is OUT/NAME; `@CHECKPOINT` resumes from that checkpoint folder. JOB `dpo:DPO_JOB` is
 tests/dpo_probe.py's DPO job of that name (preference pairs, --objective dpo), in the same launch (no @CHECKPOINT);
-JOB `wrap:WRAP` the full job under one of WRAPS' auto-wrap policies (FSDP2), refused.
+JOB `wrap:WRAP` the full job under one of WRAPS' auto-wrap policies (FSDP2).
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ JOBS = {
     # The same layers frozen in the first epoch only (3 steps an epoch), trained from the second.
     "unfreeze": dict(freeze=r"embed_tokens|layers\.0\.", unfreeze_at=2, batch_size=24),
 }
-# The full job under auto-wrap policies of a user's own accelerate config (FSDP2): each is refused in one line before
-# `prepare` (OUT/NAME/refused.txt holds the line), where Accelerate would fail with torch's traceback. The model's
-# decoder layers hold 9,280 parameters each, `model.layers` 18,560, `model` (with the embedding) 20,640.
+# The full job under auto-wrap policies of a user's own accelerate config (FSDP2): all but the last are refused in one
+# line before `prepare` (OUT/NAME/refused.txt holds the line), where Accelerate would fail with torch's traceback (in
+# `prepare`, or at the first forward pass for "tied"). The model's decoder layers hold 9,280 parameters each,
+# `model.layers` 18,560, `model` (with the embedding) 20,640; "whole" cuts nothing and trains.
 WRAPS = {
     "list": {"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1000"},
     "embedding": {"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "19000"},
+    "tied": {"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Embedding"},
     "class": {"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block"},
+    "whole": {"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1000000"},
 }
 
 
@@ -75,8 +78,8 @@ def run(out: Path, specs: list[str]) -> None:
 
 
 def _refused(folder: Path, config: dict) -> None:
-    """The full job with CONFIG's FSDP_ variables (what accelerate launch sets from a config's fsdp_config); the error
-    it stops with in FOLDER/refused.txt."""
+    """The full job with CONFIG's FSDP_ variables (what accelerate launch sets from a config's fsdp_config), in FOLDER;
+    the error it stops with in FOLDER/refused.txt."""
     import os
 
     from accelerate.state import AcceleratorState, GradientState

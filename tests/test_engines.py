@@ -52,9 +52,10 @@ def runs(tmp_path_factory):
     folders = {name: tmp_path_factory.mktemp(name) for name in ("one", "fsdp", "three", "back", "ddp")}
     one, fsdp = folders["one"], folders["fsdp"]
     run_probe(one, [f"{job}={job}" for job in JOBS] + MORE)
-    run_probe(fsdp, [f"{job}={job}" for job in JOBS] + [f"{job}_resumed={job}@{fsdp / job / STEP3}" for job in JOBS]
-              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE + ["dpo_whole=dpo:lora_whole"]
-              + [f"wrap_{wrap}=wrap:{wrap}" for wrap in engine_probe.WRAPS], processes=2)
+    wraps = [f"wrap_{wrap}=wrap:{wrap}" for wrap in engine_probe.WRAPS]  # first: the jobs after them hold what they leave
+    run_probe(fsdp, wraps + [f"{job}={job}" for job in JOBS] + [f"{job}_resumed={job}@{fsdp / job / STEP3}" for job in JOBS]
+              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE + ["dpo_whole=dpo:lora_whole"],
+              processes=2)
     run_probe(folders["three"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=3)
     run_probe(folders["back"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS])
     ddp = folders["ddp"]
@@ -228,12 +229,13 @@ def test_consolidate_writes_any_checkpoint_as_a_folder_from_pretrained_loads(run
 
 
 def test_auto_wrap_policies_accelerate_cannot_shard_with_are_one_line(runs):
-    """A user's accelerate config whose auto-wrap policy Accelerate 1.15's FSDP2 would fail on in `prepare`, with
-    torch's traceback: one line naming the unit, before anything is written (the launch went on to its next job)."""
-    fsdp = runs["fsdp"]
+    """A user's accelerate config whose auto-wrap policy Accelerate 1.15's FSDP2 would fail on with torch's traceback:
+    one line naming the unit, before anything is written; the launch goes on to the next jobs (whose FSDP2 weights
+    the tests above compare: the refused jobs leave no setting behind). A policy that cuts nothing trains."""
+    fsdp, one = runs["fsdp"], runs["one"]
     use = ("use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does, with the model's "
            "repeated block in fsdp_transformer_layer_cls_to_wrap unless it is a transformers model")
-    said = {wrap: (fsdp / f"wrap_{wrap}" / "refused.txt").read_text() for wrap in engine_probe.WRAPS}
+    said = {wrap: (fsdp / f"wrap_{wrap}" / "refused.txt").read_text() for wrap in engine_probe.WRAPS if wrap != "whole"}
     assert said == {
         "list": "the accelerate config's fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params 1,000) makes "
                 "model.layers (a ModuleList of 18,560 parameters) an FSDP2 unit, and torch's fully_shard takes only "
@@ -241,9 +243,14 @@ def test_auto_wrap_policies_accelerate_cannot_shard_with_are_one_line(runs):
         "embedding": "the accelerate config's fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params 19,000) makes "
                      "model (LlamaModel) an FSDP2 unit, and it holds model.embed_tokens, which Accelerate makes a unit "
                      f"of its own (the embedding, the final norm and the head are): {use}",
+        "tied": "the accelerate config's fsdp_transformer_layer_cls_to_wrap (Embedding) makes model.embed_tokens "
+                "(Embedding) an FSDP2 unit, and its weight is tied to the embedding or the head: Accelerate keeps the "
+                "two in one unit of its own, and torch refuses a weight in two units: name the model's repeated block "
+                "there (LlamaDecoderLayer), or leave it out",
         "class": "the accelerate config's fsdp_transformer_layer_cls_to_wrap names GPT2Block, and the model has no "
                  "module of that class (its repeated block: LlamaDecoderLayer)"}
     assert all([p.name for p in (fsdp / f"wrap_{wrap}").iterdir()] == ["refused.txt"] for wrap in said)
+    assert distance(weights(fsdp / "wrap_whole"), weights(one / "full")) <= 1e-5
 
 
 def test_fsdp_setups_that_cannot_run_here_are_one_line(main_in_process, monkeypatch, tmp_path):

@@ -172,10 +172,11 @@ def before_prepare(accelerator: Accelerator, model: torch.nn.Module, per_process
 
 def _check_units(accelerator: Accelerator, model: torch.nn.Module) -> None:
     """Under FSDP2, the units the accelerate config's auto-wrap policy would cut the model into, checked where
-    Accelerate 1.15's `prepare` would stop with torch's traceback: a unit that is a ModuleList or ModuleDict (torch's
-    fully_shard takes modules with a forward only; SIZE_BASED_WRAP picks a model's `layers` list once it holds more
-    than fsdp_min_num_params), a unit that holds the embedding, final norm or head (Accelerate then makes those units
-    of their own, and torch refuses weights already in a unit), and a layer class the model has no module of."""
+    Accelerate 1.15 would stop with torch's traceback, in `prepare` or at the first forward pass: a unit that is a
+    ModuleList or ModuleDict (torch's fully_shard takes modules with a forward only; SIZE_BASED_WRAP picks a model's
+    `layers` list once it holds more than fsdp_min_num_params), a unit that holds the embedding, final norm or head
+    (Accelerate then makes those units of their own, and torch refuses weights already in a unit), tied embeddings
+    or head made a unit (torch refuses a weight in two units), and a layer class the model has no module of."""
     if not (accelerator.is_fsdp2 and patches.tested("accelerate")):
         return  # Accelerate's FSDP2 preparation, as mirrored here, was read in 1.15
     from accelerate.utils.fsdp_utils import _find_final_norm, fsdp2_prepare_auto_wrap_policy
@@ -184,22 +185,24 @@ def _check_units(accelerator: Accelerator, model: torch.nn.Module) -> None:
 
     plugin = accelerator.state.fsdp_plugin
     kind = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    blocks, given = getattr(model, "_no_split_modules", None) or [], plugin.transformer_cls_names_to_wrap
     classes = {type(module).__name__ for module in model.modules()}
-    named = (plugin.transformer_cls_names_to_wrap or []) if kind is transformer_auto_wrap_policy else []
-    blocks = getattr(model, "_no_split_modules", None) or []
-    for name in (name for name in named if name not in classes):
-        raise ConfigError(f"the accelerate config's fsdp_transformer_layer_cls_to_wrap names {name}, and the model has "
-                          "no module of that class" + (f" (its repeated block: {', '.join(blocks)})" if blocks else ""))
+    for name in (name for name in (given or blocks) if kind is transformer_auto_wrap_policy and name not in classes):
+        raise ConfigError((f"the accelerate config's fsdp_transformer_layer_cls_to_wrap names {name}, and the model has "
+                           "no module of that class" + (f" (its repeated block: {', '.join(blocks)})" if blocks else ""))
+                          if given else f"the model's _no_split_modules names {name}, a class it has no module of")
     plugin.set_auto_wrap_policy(model)  # as Accelerate's prepare does (its second call changes nothing)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     if policy is None:
         return
-    sized = kind is size_based_auto_wrap_policy
-    how = (f"fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params {plugin.min_num_params:,})" if sized else
-           "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP (layer classes "
-           f"{', '.join(plugin.transformer_cls_names_to_wrap or [])})")
-    fix = ("use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does, with the model's "
-           "repeated block in fsdp_transformer_layer_cls_to_wrap unless it is a transformers model")
+    if kind is size_based_auto_wrap_policy:
+        how = f"fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params {plugin.min_num_params:,})"
+        fix = ("use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does, with the "
+               "model's repeated block in fsdp_transformer_layer_cls_to_wrap unless it is a transformers model")
+    else:
+        how = (f"fsdp_transformer_layer_cls_to_wrap ({', '.join(given)})" if given else
+               f"fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP (the model's _no_split_modules: {', '.join(blocks)})")
+        fix = "name the model's repeated block there" + (f" ({', '.join(blocks)}), or leave it out" if blocks else "")
     names = {id(module): name for name, module in model.named_modules()}
     units = [module for module in get_module_children_bottom_up(model)[:-1] if policy(module)]
     for unit in units:
@@ -208,11 +211,17 @@ def _check_units(accelerator: Accelerator, model: torch.nn.Module) -> None:
             raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} (a {type(unit).__name__} of "
                               f"{size:,} parameters) an FSDP2 unit, and torch's fully_shard takes only modules with a "
                               f"forward: {fix}")
-    own = [getattr(model, "get_input_embeddings", lambda: None)(), getattr(model, "get_output_embeddings", lambda: None)(),
-           _find_final_norm(model)]
+    embedding, head = (getattr(model, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output"))
+    tied = getattr(embedding, "weight", None) is not None and getattr(embedding, "weight", None) is getattr(head, "weight", None)
+    for unit in (m for m in (embedding, head) if tied and any(m is u for u in units)):
+        raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} ({type(unit).__name__}) an FSDP2 unit, "
+                          "and its weight is tied to the embedding or the head: Accelerate keeps the two in one unit of "
+                          f"its own, and torch refuses a weight in two units: {fix}")
+    if plugin.ignored_modules is not None:
+        return  # weights left out of every unit: those below may not be in the unit that holds them
+    own = [m for m in (embedding, head, _find_final_norm(model)) if m is not None and next(m.parameters(), None) is not None]
     for unit in units:
-        inside = [m for m in own if m is not None and m is not unit and not any(m is u for u in units)
-                  and any(m is sub for sub in unit.modules())]
+        inside = [m for m in own if m is not unit and not any(m is u for u in units) and any(m is sub for sub in unit.modules())]
         if inside:
             raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} ({type(unit).__name__}) an FSDP2 "
                               f"unit, and it holds {names[id(inside[0])]}, which Accelerate makes a unit of its own "
