@@ -251,6 +251,12 @@ def test_auto_wrap_policies_accelerate_cannot_shard_with_are_one_line(runs):
                  "module of that class (its repeated block: LlamaDecoderLayer)"}
     assert all([p.name for p in (fsdp / f"wrap_{wrap}").iterdir()] == ["refused.txt"] for wrap in said)
     assert distance(weights(fsdp / "wrap_whole"), weights(one / "full")) <= 1e-5
+    # The start line says how the model was cut: by its decoder layers under fsdp.yaml, not at all under "whole".
+    assert "FSDP2 cuts 2 units out of the model (LlamaDecoderLayer), each gathered in its turn" in summary(fsdp / "full")["notes"]
+    assert ("FSDP2 cuts no unit out of the model (the accelerate config's auto-wrap policy picks none of its modules), "
+            "so each forward pass gathers all of its weights at once: name its repeated block in "
+            "fsdp_transformer_layer_cls_to_wrap") in summary(fsdp / "wrap_whole")["notes"]
+    assert not any(note.startswith("FSDP2 cuts") for note in summary(one / "full")["notes"])
 
 
 def test_fsdp_setups_that_cannot_run_here_are_one_line(main_in_process, monkeypatch, tmp_path):

@@ -154,31 +154,33 @@ def deepspeed_plugin(cfg: TrainConfig) -> DeepSpeedPlugin:
     return plugin
 
 
-def before_prepare(accelerator: Accelerator, model: torch.nn.Module, per_process_batch: int) -> torch.dtype | None:
-    """Before `prepare`: FSDP2's units checked (`_check_units`), DeepSpeed told the batch; returns the dtype batches
-    must have (None: as they are).
+def before_prepare(accelerator: Accelerator, model: torch.nn.Module,
+                   per_process_batch: int) -> tuple[torch.dtype | None, list[str]]:
+    """Before `prepare`: FSDP2's units checked (`_units`), DeepSpeed told the batch; returns the dtype batches must
+    have (None: as they are) and the start line's note on FSDP2's units.
 
     The training loader's batches come from a batch sampler, so DeepSpeed is told the per-process
     batch; and its bf16/fp16 casts the weights themselves (no autocast), so batches are cast to match.
     """
-    _check_units(accelerator, model)
+    notes = _units(accelerator, model)
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return None
+        return None, notes
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     config["train_micro_batch_size_per_gpu"] = per_process_batch
     config["train_batch_size"] = per_process_batch * config["gradient_accumulation_steps"] * accelerator.num_processes
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision), notes
 
 
-def _check_units(accelerator: Accelerator, model: torch.nn.Module) -> None:
-    """Under FSDP2, the units the accelerate config's auto-wrap policy would cut the model into, checked where
+def _units(accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
+    """Under FSDP2, the units the accelerate config's auto-wrap policy cuts the model into, said in a note (none: every
+    weight is gathered at once in each forward pass, the memory FSDP2 saves is only at rest), and checked where
     Accelerate 1.15 would stop with torch's traceback, in `prepare` or at the first forward pass: a unit that is a
     ModuleList or ModuleDict (torch's fully_shard takes modules with a forward only; SIZE_BASED_WRAP picks a model's
     `layers` list once it holds more than fsdp_min_num_params), a unit that holds the embedding, final norm or head
     (Accelerate then makes those units of their own, and torch refuses weights already in a unit), tied embeddings
     or head made a unit (torch refuses a weight in two units), and a layer class the model has no module of."""
     if not (accelerator.is_fsdp2 and patches.tested("accelerate")):
-        return  # Accelerate's FSDP2 preparation, as mirrored here, was read in 1.15
+        return []  # Accelerate's FSDP2 preparation, as mirrored here, was read in 1.15
     from accelerate.utils.fsdp_utils import _find_final_norm, fsdp2_prepare_auto_wrap_policy
     from accelerate.utils.other import get_module_children_bottom_up
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
@@ -193,8 +195,11 @@ def _check_units(accelerator: Accelerator, model: torch.nn.Module) -> None:
                           if given else f"the model's _no_split_modules names {name}, a class it has no module of")
     plugin.set_auto_wrap_policy(model)  # as Accelerate's prepare does (its second call changes nothing)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    whole = ("FSDP2 cuts no unit out of the model (the accelerate config's auto-wrap policy picks none of its modules), "
+             "so each forward pass gathers all of its weights at once: name its repeated block in "
+             "fsdp_transformer_layer_cls_to_wrap")
     if policy is None:
-        return
+        return [whole]
     if kind is size_based_auto_wrap_policy:
         how = f"fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params {plugin.min_num_params:,})"
         fix = ("use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does, with the "
@@ -217,8 +222,10 @@ def _check_units(accelerator: Accelerator, model: torch.nn.Module) -> None:
         raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} ({type(unit).__name__}) an FSDP2 unit, "
                           "and its weight is tied to the embedding or the head: Accelerate keeps the two in one unit of "
                           f"its own, and torch refuses a weight in two units: {fix}")
+    cut = ([f"FSDP2 cuts {len(units)} units out of the model ({', '.join(sorted({type(u).__name__ for u in units}))}), "
+            "each gathered in its turn"] if units else [whole])
     if plugin.ignored_modules is not None:
-        return  # weights left out of every unit: those below may not be in the unit that holds them
+        return cut  # weights left out of every unit: those below may not be in the unit that holds them
     own = [m for m in (embedding, head, _find_final_norm(model)) if m is not None and next(m.parameters(), None) is not None]
     for unit in units:
         inside = [m for m in own if m is not unit and not any(m is u for u in units) and any(m is sub for sub in unit.modules())]
@@ -226,6 +233,7 @@ def _check_units(accelerator: Accelerator, model: torch.nn.Module) -> None:
             raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} ({type(unit).__name__}) an FSDP2 "
                               f"unit, and it holds {names[id(inside[0])]}, which Accelerate makes a unit of its own "
                               f"(the embedding, the final norm and the head are): {fix}")
+    return cut
 
 
 def zero_stage() -> int:

@@ -225,7 +225,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed, group.engine)
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
                                               accelerator.process_index, processes.summing(accelerator), job.dataset_name)
-    input_dtype = engines.before_prepare(accelerator, model, cfg.batch_size // (world * cfg.grad_accum))
+    input_dtype, cut = engines.before_prepare(accelerator, model, cfg.batch_size // (world * cfg.grad_accum))
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler,
         device_placement=_placement(accelerator, train_loader, eval_loader))
@@ -235,7 +235,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
                       adapters.parameter_counts(model, tuning.frozen if cfg.unfreeze_at else None), frozen)
     state = _state(cfg, accelerator, job, origin, trained, checked, shape)
     shape.start_step = state.step
-    notes += _start_notes(cfg, origin, world, job.data.notes)
+    notes += cut + _start_notes(cfg, origin, world, job.data.notes)
     job.data.heads.clear()  # the first samples read for the checks at start (up to a global batch) are not kept
     output = _output(given, accelerator, origin, state, shape, job.unnamed)  # config.yaml: the options as given
     with _released_on_failure(output.files):
