@@ -32,7 +32,8 @@ JOBS = {
 # The full job under auto-wrap policies of a user's own accelerate config (FSDP2): all but the last are refused in one
 # line before `prepare` (OUT/NAME/refused.txt holds the line), where Accelerate would fail with torch's traceback (in
 # `prepare`, or at the first forward pass for "tied"). The model's decoder layers hold 9,280 parameters each,
-# `model.layers` 18,560, `model` (with the embedding) 20,640; "whole" cuts nothing and trains.
+# `model.layers` 18,560, `model` (with the embedding) 20,640; "whole" cuts no block out (Accelerate's unit of the
+# tied embedding and head with the final norm apart) and trains.
 WRAPS = {
     "list": {"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1000"},
     "embedding": {"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "19000"},

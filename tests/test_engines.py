@@ -231,7 +231,7 @@ def test_consolidate_writes_any_checkpoint_as_a_folder_from_pretrained_loads(run
 def test_auto_wrap_policies_accelerate_cannot_shard_with_are_one_line(runs):
     """A user's accelerate config whose auto-wrap policy Accelerate 1.15's FSDP2 would fail on with torch's traceback:
     one line naming the unit, before anything is written; the launch goes on to the next jobs (whose FSDP2 weights
-    the tests above compare: the refused jobs leave no setting behind). A policy that cuts nothing trains."""
+    the tests above compare: the refused jobs leave no setting behind). A policy that cuts no block out trains."""
     fsdp, one = runs["fsdp"], runs["one"]
     use = ("use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does, with the model's "
            "repeated block in fsdp_transformer_layer_cls_to_wrap unless it is a transformers model")
@@ -251,11 +251,15 @@ def test_auto_wrap_policies_accelerate_cannot_shard_with_are_one_line(runs):
                  "module of that class (its repeated block: LlamaDecoderLayer)"}
     assert all([p.name for p in (fsdp / f"wrap_{wrap}").iterdir()] == ["refused.txt"] for wrap in said)
     assert distance(weights(fsdp / "wrap_whole"), weights(one / "full")) <= 1e-5
-    # The start line says how the model was cut: by its decoder layers under fsdp.yaml, not at all under "whole".
-    assert "FSDP2 cuts 2 units out of the model (LlamaDecoderLayer), each gathered in its turn" in summary(fsdp / "full")["notes"]
-    assert ("FSDP2 cuts no unit out of the model (the accelerate config's auto-wrap policy picks none of its modules), "
-            "so each forward pass gathers all of its weights at once: name its repeated block in "
-            "fsdp_transformer_layer_cls_to_wrap") in summary(fsdp / "wrap_whole")["notes"]
+    # The start line says how the model was cut: by its decoder layers under fsdp.yaml (and Accelerate's unit for the
+    # tied embedding and head with the final norm), under "whole" by Accelerate alone.
+    assert ("FSDP2 cuts the model into 3 units besides its root (2 LlamaDecoderLayer; the final norm, the embedding and "
+            "the head in one), each gathered in its turn") in summary(fsdp / "full")["notes"]
+    assert ("FSDP2 cuts none of the model's blocks out (the accelerate config's auto-wrap policy picks none; "
+            "Accelerate's 1 unit besides the root: the final norm, the embedding and the head in one), so each forward "
+            "pass gathers all of their weights at once: use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with its "
+            "repeated block in fsdp_transformer_layer_cls_to_wrap (a transformers model's _no_split_modules names it)"
+            ) in summary(fsdp / "wrap_whole")["notes"]
     assert not any(note.startswith("FSDP2 cuts") for note in summary(one / "full")["notes"])
 
 

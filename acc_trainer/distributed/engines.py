@@ -172,13 +172,12 @@ def before_prepare(accelerator: Accelerator, model: torch.nn.Module,
 
 
 def _units(accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
-    """Under FSDP2, the units the accelerate config's auto-wrap policy cuts the model into, said in a note (none: every
-    weight is gathered at once in each forward pass, the memory FSDP2 saves is only at rest), and checked where
-    Accelerate 1.15 would stop with torch's traceback, in `prepare` or at the first forward pass: a unit that is a
-    ModuleList or ModuleDict (torch's fully_shard takes modules with a forward only; SIZE_BASED_WRAP picks a model's
-    `layers` list once it holds more than fsdp_min_num_params), a unit that holds the embedding, final norm or head
-    (Accelerate then makes those units of their own, and torch refuses weights already in a unit), tied embeddings
-    or head made a unit (torch refuses a weight in two units), and a layer class the model has no module of."""
+    """Under FSDP2, the units the model is cut into, said in a note (`_cut`), and the accelerate config's auto-wrap
+    policy checked where Accelerate 1.15 would stop with torch's traceback, in `prepare` or at the first forward pass:
+    a unit that is a ModuleList or ModuleDict (torch's fully_shard takes modules with a forward only; SIZE_BASED_WRAP
+    picks a model's `layers` list once it holds more than fsdp_min_num_params), a unit that holds the embedding, final
+    norm or head (Accelerate then makes those units of their own, and torch refuses weights already in a unit), tied
+    embeddings or head made a unit (torch refuses a weight in two units), and a layer class the model has none of."""
     if not (accelerator.is_fsdp2 and patches.tested("accelerate")):
         return []  # Accelerate's FSDP2 preparation, as mirrored here, was read in 1.15
     from accelerate.utils.fsdp_utils import _find_final_norm, fsdp2_prepare_auto_wrap_policy
@@ -195,11 +194,13 @@ def _units(accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
                           if given else f"the model's _no_split_modules names {name}, a class it has no module of")
     plugin.set_auto_wrap_policy(model)  # as Accelerate's prepare does (its second call changes nothing)
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
-    whole = ("FSDP2 cuts no unit out of the model (the accelerate config's auto-wrap policy picks none of its modules), "
-             "so each forward pass gathers all of its weights at once: name its repeated block in "
-             "fsdp_transformer_layer_cls_to_wrap")
+    units = [module for module in get_module_children_bottom_up(model)[:-1] if policy(module)] if policy else []
+    embedding, head = (getattr(model, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output"))
+    tied = getattr(embedding, "weight", None) is not None and getattr(embedding, "weight", None) is getattr(head, "weight", None)
+    norm = _find_final_norm(model)
+    cut = _cut(units, embedding, head, norm, tied, kind is transformer_auto_wrap_policy)
     if policy is None:
-        return [whole]
+        return cut
     if kind is size_based_auto_wrap_policy:
         how = f"fsdp_auto_wrap_policy SIZE_BASED_WRAP (fsdp_min_num_params {plugin.min_num_params:,})"
         fix = ("use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, as accelerate_configs/fsdp.yaml does, with the "
@@ -209,24 +210,19 @@ def _units(accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
                f"fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP (the model's _no_split_modules: {', '.join(blocks)})")
         fix = "name the model's repeated block there" + (f" ({', '.join(blocks)}), or leave it out" if blocks else "")
     names = {id(module): name for name, module in model.named_modules()}
-    units = [module for module in get_module_children_bottom_up(model)[:-1] if policy(module)]
     for unit in units:
         if isinstance(unit, (torch.nn.ModuleList, torch.nn.ModuleDict)) and type(unit).forward is torch.nn.Module.forward:
             size = sum(p.numel() for p in unit.parameters())
             raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} (a {type(unit).__name__} of "
                               f"{size:,} parameters) an FSDP2 unit, and torch's fully_shard takes only modules with a "
                               f"forward: {fix}")
-    embedding, head = (getattr(model, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output"))
-    tied = getattr(embedding, "weight", None) is not None and getattr(embedding, "weight", None) is getattr(head, "weight", None)
     for unit in (m for m in (embedding, head) if tied and any(m is u for u in units)):
         raise ConfigError(f"the accelerate config's {how} makes {names[id(unit)]} ({type(unit).__name__}) an FSDP2 unit, "
                           "and its weight is tied to the embedding or the head: Accelerate keeps the two in one unit of "
                           f"its own, and torch refuses a weight in two units: {fix}")
-    cut = ([f"FSDP2 cuts {len(units)} units out of the model ({', '.join(sorted({type(u).__name__ for u in units}))}), "
-            "each gathered in its turn"] if units else [whole])
     if plugin.ignored_modules is not None:
         return cut  # weights left out of every unit: those below may not be in the unit that holds them
-    own = [m for m in (embedding, head, _find_final_norm(model)) if m is not None and next(m.parameters(), None) is not None]
+    own = [m for m in (embedding, head, norm) if m is not None and next(m.parameters(), None) is not None]
     for unit in units:
         inside = [m for m in own if m is not unit and not any(m is u for u in units) and any(m is sub for sub in unit.modules())]
         if inside:
@@ -234,6 +230,30 @@ def _units(accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
                               f"unit, and it holds {names[id(inside[0])]}, which Accelerate makes a unit of its own "
                               f"(the embedding, the final norm and the head are): {fix}")
     return cut
+
+
+def _cut(units: list, embedding, head, norm, tied: bool, by_class: bool) -> list[str]:
+    """The start line's note on FSDP2's units besides the root (which holds the rest): the policy's, then Accelerate's
+    own (fsdp2_prepare_model): the embedding alone unless tied, then the final norm with the head (and the embedding,
+    tied). Without a unit of the policy's, each forward pass gathers every block's weights at once."""
+    free = [m is not None and not any(m is u for u in units) for m in (embedding, norm, head)]
+    carved = ["the embedding"] if free[0] and not tied else []
+    tail = [name for name, kept in zip(("the final norm", "the embedding", "the head"), (free[1], free[0] and tied, free[2]))
+            if kept]
+    if tail:
+        carved.append(tail[0] if len(tail) == 1 else f"{', '.join(tail[:-1])} and {tail[-1]} in one")
+    counts = Counter(type(unit).__name__ for unit in units)
+    total = len(units) + len(carved)
+    if units:
+        parts = "; ".join([f"{n} {name}" for name, n in counts.items()] + carved)
+        return [f"FSDP2 cuts the model into {total} unit{'s' * (total != 1)} besides its root ({parts}), each gathered "
+                "in its turn"]
+    advice = ("name its repeated block in fsdp_transformer_layer_cls_to_wrap" if by_class else
+              "use fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with its repeated block in "
+              "fsdp_transformer_layer_cls_to_wrap (a transformers model's _no_split_modules names it)")
+    return [("FSDP2 cuts none of the model's blocks out (the accelerate config's auto-wrap policy picks none"
+             + (f"; Accelerate's {total} unit{'s' * (total != 1)} besides the root: {'; '.join(carved)}" if carved else "")
+             + f"), so each forward pass gathers all of their weights at once: {advice}")]
 
 
 def zero_stage() -> int:
