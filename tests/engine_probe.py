@@ -66,7 +66,7 @@ def run(out: Path, specs: list[str]) -> None:
             dpo_probe.run_job(out / name, job.removeprefix("dpo:"))
             continue
         if job.startswith("wrap:"):
-            _refused(out / name, WRAPS[job.removeprefix("wrap:")])
+            _under_policy(out / name, WRAPS[job.removeprefix("wrap:")])
             continue
         job, _, resume = job.partition("@")
         options = {**COMMON, **JOBS[job]}
@@ -78,27 +78,24 @@ def run(out: Path, specs: list[str]) -> None:
         AcceleratorState._reset_state()
 
 
-def _refused(folder: Path, config: dict) -> None:
+def _under_policy(folder: Path, config: dict) -> None:
     """The full job with CONFIG's FSDP_ variables (what accelerate launch sets from a config's fsdp_config), in FOLDER;
     the error it stops with in FOLDER/refused.txt."""
     import os
+    from unittest import mock
 
     from accelerate.state import AcceleratorState, GradientState
 
     import acc_trainer
     from acc_trainer.config import ConfigError
 
-    before = {key: os.environ.get(key) for key in config}
-    os.environ.update(config)
     try:
-        acc_trainer.fit(base_model(), documents(72, 0), documents(16, 1), output_dir=str(folder), **COMMON)
+        with mock.patch.dict(os.environ, config):  # the launch's own values back afterwards
+            acc_trainer.fit(base_model(), documents(72, 0), documents(16, 1), output_dir=str(folder), **COMMON)
     except ConfigError as e:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "refused.txt").write_text(str(e))
     finally:
-        os.environ.update({key: value for key, value in before.items() if value is not None})
-        for key in (key for key, value in before.items() if value is None):
-            del os.environ[key]
         GradientState._reset_state()
         AcceleratorState._reset_state()
 

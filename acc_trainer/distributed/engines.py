@@ -196,7 +196,8 @@ def _units(accelerator: Accelerator, model: torch.nn.Module) -> list[str]:
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     units = [module for module in get_module_children_bottom_up(model)[:-1] if policy(module)] if policy else []
     embedding, head = (getattr(model, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output"))
-    tied = getattr(embedding, "weight", None) is not None and getattr(embedding, "weight", None) is getattr(head, "weight", None)
+    weight = getattr(embedding, "weight", None)
+    tied = weight is not None and weight is getattr(head, "weight", None)
     norm = _find_final_norm(model)
     cut = _cut(units, embedding, head, norm, tied, kind is transformer_auto_wrap_policy)
     if policy is None:
