@@ -185,10 +185,18 @@ def exit_on_bad_input(e: ConfigError, rank: str | None, several: bool) -> None:
 def exit_if_stopped(e: Exception, rank: str | None, several: bool) -> None:
     """Exits with the stop's code when the run stopped (TrainingStopped), with 1 when another process was
     lost; returns for any other error, which the caller raises again."""
+    from .distributed.processes import MainProcessFailed
     from .stopping import TrainingStopped, lost_contact
 
     if isinstance(e, TrainingStopped):
         exit_stopped(e, rank, several)
+    if isinstance(e, MainProcessFailed):  # the failed process shows its own error, with its traceback
+        print(f"acc-trainer: error (rank {rank}): {e}", file=sys.stderr)
+        if several:
+            from .patches import leave_without_teardown
+
+            leave_without_teardown(1)
+        sys.exit(1)
     if lost_contact(e):
         print(f"acc-trainer: error (rank {rank}): lost contact with another process, which died, hung or lost "
               f"its network (waited at most --dist-timeout): {first_line(e)}; continue from the last checkpoint with "

@@ -1,13 +1,14 @@
 """Chat, instruction and text data as users have them (docs/language-models.md#chat-and-instruction-data): the
 labels equal those TRL's SFTTrainer builds, token for token (completion-only loss for prompt/completion data,
-assistant-only loss for messages, with a chat template with generation blocks and one without); lists,
-`datasets.Dataset`, JSONL, parquet and save_to_disk folders train, packed or padded by the built-in collate, with
-what --max-length cuts counted; bad input is one line. 1 vs 2 processes vs accumulation on chat data:
-tests/test_language_models.py (lm_probe's chat jobs)."""
+assistant-only loss for messages, with a chat template with generation blocks and one without, whoever opens the
+conversation, with a default system prompt or without); lists, `datasets.Dataset`, JSONL, parquet and save_to_disk
+folders train, packed or padded by the built-in collate, with what --max-length cuts counted; bad input is one line.
+1 vs 2 processes vs accumulation on chat data: tests/test_language_models.py (lm_probe's chat jobs)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +53,57 @@ def ours(rows, tokenizer, **options) -> chat.Tokenized:
     return chat.TextSets(tokenizer, TrainConfig(**options))(rows, None, "rows")[0]
 
 
+def with_and_without_generation_blocks(template: str) -> tuple[str, str]:
+    return template, template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+DEFAULT_SYSTEM = "<|im_start|>system\nyou are a helpful assistant<|im_end|>\n"
+TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+TEMPLATES = {  # (with generation blocks, without)
+    "im": (lm_probe.TEMPLATE_GEN, lm_probe.TEMPLATE_PLAIN),
+    # Qwen2's shape: a default system prompt before a first message that is not the system's, inside the loop.
+    "default system in the loop": with_and_without_generation_blocks(lm_probe.TEMPLATE_GEN.replace(
+        "{% for m in messages %}",
+        "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}" + DEFAULT_SYSTEM + "{% endif %}")),
+    # Qwen2.5's shape: the same prompt before the loop, from messages[0].
+    "default system before the loop": with_and_without_generation_blocks(
+        "{% if messages[0]['role'] != 'system' %}" + DEFAULT_SYSTEM + "{% endif %}" + lm_probe.TEMPLATE_GEN),
+    "Qwen2.5's own, and TRL's training version of it": tuple(
+        (TRL_TEMPLATES / name).read_text() for name in ("qwen2_5_training.jinja", "qwen2_5.jinja")),
+}
+SHAPES = {
+    "opens with the assistant": [("assistant", "hello there")],
+    "opens with the assistant, two turns": [("assistant", "hello"), ("user", "say red"), ("assistant", "red")],
+    "a system turn, then the assistant": [("system", "you are a cat"), ("assistant", "hello"), ("user", "no"),
+                                          ("assistant", "sky blue")],
+    "multi-turn with a system turn": [("system", "be short"), ("user", "name a colour"), ("assistant", "blue"),
+                                      ("user", "what"), ("assistant", "red")],
+    "opens with the user": [("user", "say hello"), ("assistant", "hello")],
+}
+
+
+def opening_with_the_assistant(conversation: dict) -> dict:
+    """The conversation without its first user turn: the assistant speaks first (after the system, if any)."""
+    messages = conversation["messages"]
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return {"messages": messages[:first_user] + messages[first_user + 1:]}
+
+
+def test_the_assistants_tokens_for_every_template_shape():
+    """The assistant's tokens are its words and its <|im_end|>, never the template's own text (the assistant's
+    header, a default system prompt), with generation blocks and without, whoever opens the conversation."""
+    for name, (with_blocks, without_blocks) in TEMPLATES.items():
+        gen, plain = lm_probe.chat_tokenizer(with_blocks), lm_probe.chat_tokenizer(without_blocks)
+        for shape, turns in SHAPES.items():
+            messages = [{"role": role, "content": content} for role, content in turns]
+            answers = [t for role, content in turns if role == "assistant" for t in [*content.split(), "<|im_end|>"]]
+            marked = chat.assistant_mask(gen, messages)
+            assert chat.assistant_mask(plain, messages) == marked, (name, shape)
+            ids, mask = marked
+            assert ids == gen.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+            assert [t for t, m in zip(gen.convert_ids_to_tokens(ids), mask) if m] == answers, (name, shape)
+
+
 def test_labels_are_trls_token_for_token(tmp_path):
     gen, plain = lm_probe.chat_tokenizer(lm_probe.TEMPLATE_GEN), lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN)
     messages = lm_probe.conversations(24, 3)
@@ -66,6 +118,14 @@ def test_labels_are_trls_token_for_token(tmp_path):
               ("messages, no generation blocks", ours(messages, plain), reference)]
     cut = trl_rows(messages, gen, tmp_path, assistant_only_loss=True, max_length=12)
     cases.append(("messages cut at 12 tokens", ours(messages, plain, max_length=12), cut))
+    # The same conversations, and each opening with the assistant, under this template and under those that add a
+    # default system prompt.
+    shaped = messages + [opening_with_the_assistant(c) for c in messages]
+    for name in ("im", "default system in the loop", "Qwen2.5's own, and TRL's training version of it"):
+        with_blocks, without_blocks = (lm_probe.chat_tokenizer(t) for t in TEMPLATES[name])
+        reference = trl_rows(shaped, with_blocks, tmp_path, assistant_only_loss=True)
+        cases += [(f"{name}, every shape, generation blocks", ours(shaped, with_blocks), reference),
+                  (f"{name}, every shape, no generation blocks", ours(shaped, without_blocks), reference)]
     for what, mine, theirs in cases:
         assert [{k: s[k].tolist() for k in s} for s in mine.samples] == theirs, what
         labelled = sum(sum(t != -100 for t in s["labels"][1:]) for s in theirs)
@@ -153,6 +213,10 @@ def test_bad_input_is_one_line(files, main_in_process, tmp_path):
     # A template that refuses what it cannot render (as many do), and one with a syntax error.
     strict = lm_probe.chat_tokenizer("{{ raise_exception('roles must alternate') }}" + lm_probe.TEMPLATE_GEN)
     broken = lm_probe.chat_tokenizer("{% for m in messages %}{{ m['content'] }")
+    # Without generation blocks, one that renders an assistant turn differently after a user's (as Qwen3 shows the
+    # reasoning after the last user turn only): where an opening assistant turn starts cannot be told.
+    thinking = lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN.replace(
+        "assistant\n{{ m['content'] }}", "assistant\n{% if not loop.first %}<think></think>{% endif %}{{ m['content'] }}"))
     mistakes = {
         "sample 1: message 0 has the role 'narrator'": (
             [chats[0], {"messages": [{"role": "narrator", "content": "hello"}, answer]}], tokenizer),
@@ -171,6 +235,8 @@ def test_bad_input_is_one_line(files, main_in_process, tmp_path):
         "sample 0 cannot be rendered by the chat template: TemplateError: roles must alternate": (
             chats, strict),
         "sample 0 cannot be rendered by the chat template: TemplateSyntaxError": (chats, broken),
+        "sample 0 the chat template renders message 0 (the assistant's, opening the conversation) differently after "
+        "a user turn, so the assistant's tokens cannot be found": ([{"messages": [answer, user, answer]}], thinking),
     }
     for message, (data, given) in mistakes.items():
         with pytest.raises(ConfigError) as raised:

@@ -212,8 +212,20 @@ def test_processes_and_accumulation_end_on_the_same_weights(runs):
     for folder in (one / "full", two / "full", two / "lora"):
         evaluations = [row for row in metrics(folder) if "eval_loss" in row]
         assert [row["step"] for row in evaluations] == [3, 6] and {row["eval_samples"] for row in evaluations} == {5}
-        logged = [row for row in metrics(folder) if "loss" in row]
-        assert len(logged) == 6 and all(0 <= row["reward_accuracy"] <= 1 for row in logged)
+        assert len([row for row in metrics(folder) if "loss" in row]) == 6
+
+    # reward_accuracy: the share of the step's 8 pairs whose chosen reward is the higher. None at step 1, where the
+    # policy is its reference (every reward 0); most of them once trained; the same share however the pairs were
+    # split over processes and passes.
+    def accuracies(folder):
+        return [row["reward_accuracy"] for row in metrics(folder) if "loss" in row]
+
+    for job, others in (("full", (two / "full", one / "accumulated")), ("lora", (two / "lora",))):
+        first = next(row for row in metrics(one / job) if "loss" in row)
+        assert (first["rewards_chosen"], first["rewards_rejected"], first["reward_accuracy"]) == (0, 0, 0)
+        shares = accuracies(one / job)
+        assert all(8 * share == round(8 * share) for share in shares) and shares[-1] > 0.5, shares
+        assert all(accuracies(other) == shares for other in others), job
     assert any("initial weights differed between processes" in note for note in summary(two / "unequal")["notes"])
 
 

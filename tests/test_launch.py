@@ -108,6 +108,55 @@ def test_a_failed_run_ends_with_its_processes_exit_code_and_at_most_one_line(tmp
         assert capsys.readouterr().err == stderr
 
 
+ORPHAN_JOB = ["--model", "orphan_probe:Slow", "--dataset", "orphan_probe:halves", "--loss", "cross_entropy",
+              "--batch-size", "16", "--max-steps", "40", "--log-every", "10", "--optimizer", "sgd", "--no-plots"]
+
+
+def orphan_launcher(plain: bool = False) -> list[str]:
+    return [str(BIN / "accelerate") if plain else str(BIN / "acc-trainer"), "launch", "--main_process_port",
+            str(free_port()), "--multi_gpu", "--num_processes", "2", "-m", "acc_trainer"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """ORPHAN_JOB run to its end on 2 processes."""
+    from conftest import REPO
+
+    out = tmp_path_factory.mktemp("uninterrupted")
+    check(subprocess.run([*orphan_launcher(), *ORPHAN_JOB, "--output-dir", str(out / "run")], capture_output=True,
+                         text=True, env=_env(PYTHONPATH=str(REPO / "tests")), timeout=300, cwd=out))
+    return load_file(out / "run" / "model.safetensors")
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["acc-trainer launch", "accelerate launch"])
+def test_workers_whose_launcher_is_killed_stop_with_a_checkpoint_and_resume_bit_identical(tmp_path, plain, uninterrupted):
+    """torch's launcher starts its workers in sessions of their own: a launcher killed with SIGKILL passes no signal
+    on. Each worker sees its launcher gone and stops as on SIGTERM (a checkpoint, exit 143) within seconds, instead of
+    training on to the end, orphaned; `--resume auto` then ends with the uninterrupted run's weights, bit for bit."""
+    import json
+    import sys
+
+    from conftest import REPO
+
+    tests, run = str(REPO / "tests"), tmp_path / "run"
+    env = _env(PYTHONPATH=tests)
+    killed = subprocess.run([sys.executable, f"{tests}/orphan_probe.py", str(run), *orphan_launcher(plain), *ORPHAN_JOB,
+                             "--output-dir", str(run)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    workers = json.loads(killed.stdout.strip().splitlines()[-1])
+    assert [w["code"] for w in workers.values()] == [143, 143], killed.stderr[-3000:]
+    assert max(w["seconds"] for w in workers.values()) < 10
+    assert killed.stderr.count("the launcher (process") == 2 and "stopped by SIGTERM at step" in killed.stderr
+    stopped = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines())
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{stopped:08d}"] and stopped < 40
+
+    check(subprocess.run([*orphan_launcher(), *ORPHAN_JOB, "--output-dir", str(run), "--resume", "auto"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path))
+    resumed = load_file(run / "model.safetensors")
+    assert set(resumed) == set(uninterrupted) and all(resumed[k].equal(uninterrupted[k]) for k in resumed)
+    assert summary(run)["steps"] == 40
+
+
 def test_linear_regression_learns_two_and_three(tmp_path):
     """y = 2x + 3 + noise, 10,000 samples, batch 32, SGD lr 0.01, 10 epochs (one process: run in this one)."""
     check(run_here("--model", "linreg", "--dataset", "linear", "--train-size", "10000", "--eval-size", "1000",

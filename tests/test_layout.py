@@ -251,20 +251,36 @@ def test_the_state_rules_catch_what_they_name():
     assert changed_in_place(other, {"FLAG"}) == ["g:3 changes FLAG"]
 
 
+# The collectives a module can call without an Accelerator: Accelerate's functions and torch.distributed's own.
+COLLECTIVES = {"all_gather", "all_gather_object", "all_reduce", "barrier", "broadcast", "broadcast_object_list",
+               "gather", "gather_object", "pad_across_processes", "reduce", "reduce_scatter", "scatter"}
+
+
 def accelerate_calls() -> dict[str, set[str]]:
     """Where the core calls Accelerate: each method called on an Accelerator (`accelerator.x(...)`, or
-    `r.accelerator.x(...)`) and the constructor, by module file (relative to the package)."""
+    `r.accelerator.x(...)`), the constructor, and every collective called without one (`accelerate.utils.x`, imported
+    by name, and `torch.distributed.x` through `dist`, `dist_nn` or the full path), by module file (relative to the
+    package)."""
     found = defaultdict(set)
     for path in sorted(PACKAGE.rglob("*.py")):
         if "tools" in path.parts:
             continue
         where = path.relative_to(PACKAGE).as_posix()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        from_utils = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                      and node.module == "accelerate.utils" for a in node.names}
+        modules = {"dist": "torch.distributed", "dist_nn": "torch.distributed.nn"}
+        for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
             f = node.func
             if isinstance(f, ast.Name) and f.id == "Accelerator":
                 found["Accelerator(...)"].add(where)
+            elif isinstance(f, ast.Name) and f.id in from_utils and f.id in COLLECTIVES:
+                found[f"accelerate.utils.{f.id}"].add(where)
+            elif isinstance(f, ast.Attribute) and f.attr in COLLECTIVES and ast.unparse(f.value) in (
+                    *modules, *modules.values()):
+                found[f"{modules.get(ast.unparse(f.value), ast.unparse(f.value))}.{f.attr}"].add(where)
             elif isinstance(f, ast.Attribute) and (isinstance(f.value, ast.Name) and f.value.id == "accelerator" or
                                                    isinstance(f.value, ast.Attribute) and f.value.attr == "accelerator"):
                 found[f.attr].add(where)
@@ -284,3 +300,13 @@ def test_every_accelerate_call_is_where_the_docs_say():
     """The table in docs/layout.md lists every Accelerate call of the core and the modules that make it: a
     call added, moved or removed without the docs fails here."""
     assert accelerate_calls() == documented_calls()
+
+
+def test_only_main_decides_hands_the_main_process_answer_to_the_others():
+    """Where the main process computes and the others wait, one helper hands an outcome over whatever happened
+    (processes.main_decides, each_tries): no other module broadcasts, and no raw torch.distributed collective is
+    made outside the two documented places."""
+    calls = accelerate_calls()
+    assert calls["accelerate.utils.broadcast_object_list"] == {"distributed/processes.py"}
+    raw = {call: modules for call, modules in calls.items() if call.startswith("torch.distributed")}
+    assert raw == {"torch.distributed.barrier": {"cli.py"}, "torch.distributed.nn.all_reduce": {"workload/models.py"}}

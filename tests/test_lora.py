@@ -109,7 +109,8 @@ def test_lora_trains_the_adapter_alone_saves_it_in_peft_format_and_resumes_bit_f
 def test_a_partly_frozen_model_with_tied_weights_checkpoints_what_trains_and_resumes(tmp_path, fresh_state,
                                                                                      torch_on_one_thread):
     """--freeze on a causal LM whose embedding and output layer are one tensor (trained, under two names): a step
-    checkpoint holds it once and leaves the frozen layer out; the best checkpoint is whole; resumed, the same run."""
+    checkpoint holds it once and leaves the frozen layer out; the best checkpoint is whole (from_pretrained loads the
+    model of the best evaluation); resumed, the same run."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -118,14 +119,22 @@ def test_a_partly_frozen_model_with_tied_weights_checkpoints_what_trains_and_res
     options = dict(collate_fn=pad, freeze=r"^model\.layers\.0\.", batch_size=8, max_steps=6, checkpoint_every="3",
                    save_best="loss", eval_every=3, optimizer="sgd", lr=0.2, progress="none", plots=False)
     out = tmp_path / "run"
-    acc_trainer.fit(base_model(), documents(48, 0), documents(16, 1), output_dir=str(out), **options)
+    summary = acc_trainer.fit(base_model(), documents(48, 0), documents(16, 1), output_dir=str(out), **options)
     with safe_open(str(out / "checkpoints" / "step-00000003" / "model.safetensors"), "pt") as f:
         held = set(f.keys())
     assert not any(".layers.0." in k for k in held) and any(".layers.1." in k for k in held)
     assert len(held & {"model.embed_tokens.weight", "lm_head.weight"}) == 1  # the tied tensor, once
     with safe_open(str(out / "checkpoints" / "best" / "model.safetensors"), "pt") as f:
         assert any(".layers.0." in k for k in f.keys())
-    assert transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "best") is not None
+    best, loading = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "best",
+                                                                     output_loading_info=True)
+    assert not any(loading.values()) and best.lm_head.weight is best.model.embed_tokens.weight, loading
+    # Its loss over the evaluation documents (all at once: the mean over their tokens) is the best evaluation's, which
+    # is not the last one's.
+    with torch.no_grad():
+        loss = best.eval()(**pad(documents(16, 1))).loss.item()
+    assert loss == pytest.approx(summary["best"]["value"], abs=1e-5)
+    assert abs(summary["best"]["value"] - summary["eval"]["loss"]) > 1e-3
     again = tmp_path / "again"
     shutil.copytree(out / "checkpoints" / "step-00000003", again / "checkpoints" / "step-00000003")
     fresh_state()

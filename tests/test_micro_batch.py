@@ -54,8 +54,10 @@ def weights(folder) -> dict:
 def test_auto_finds_the_largest_micro_batch_that_fits_and_keeps_the_math(tmp_path):
     model = Limited(limit=16)
     run = acc_trainer.fit(model, data(), data(64), micro_batch="auto", output_dir=str(tmp_path / "auto"), **JOB)
+    count = sum(p.numel() for p in Limited().parameters())
     said = "--micro-batch: 16 samples per process, accumulated 4 times to the 64 of each process's share of the " \
-           "global batch (the largest that fits: 64 out of memory, 32 out of memory, 16 fits)"
+           f"global batch (the largest that fits: 64 out of memory, 32 out of memory, 16 fits; tried on {count:,} of " \
+           f"{count:,} parameters with gradients and optimizer state, gradient checkpointing off)"
     assert said in run["notes"]
     assert (run["grad_accum"], run["per_process_batch_size"], run["global_batch_size"]) == (4, 16, 64)
     assert model.tries[:3] == [64, 32, 16] and set(model.tries[3:]) == {16}  # then every step on 16
@@ -107,7 +109,26 @@ acc_trainer.fit(model, data(), data(64), micro_batch="auto", output_dir=sys.argv
     check(launch(tmp_path / "run", launcher_args=("--multi_gpu", "--num_processes", "2"), target=(str(script),)))
     run = summary(tmp_path / "run")
     assert (run["world_size"], run["grad_accum"], run["per_process_batch_size"]) == (2, 2, 16)
-    assert any("(the largest that fits: 32 out of memory, 16 fits)" in note for note in run["notes"])
+    assert any("(the largest that fits: 32 out of memory, 16 fits; tried on" in note for note in run["notes"])
+
+
+def test_auto_tries_the_model_that_will_train(tmp_path):
+    """The sizes are tried on the model as it trains: with --lora and --gradient-checkpointing, the try holds
+    gradients and optimizer state for the adapters that train (not for every weight) and runs with checkpointing on."""
+    pytest.importorskip("peft")
+    from lm_probe import base_model, documents, pad
+    from peft import LoraConfig, get_peft_model
+
+    run = acc_trainer.fit(base_model(), documents(32, 0), collate_fn=pad, lora=4, lora_targets=["q_proj", "v_proj"],
+                          gradient_checkpointing=True, micro_batch="auto", batch_size=8,
+                          max_steps=1, progress="none", plots=False, output_dir=str(tmp_path / "run"))
+    adapted = get_peft_model(base_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trains = sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n)
+    total = sum(p.numel() for p in adapted.parameters())
+    said = [note for note in run["notes"] if note.startswith("--micro-batch")]
+    assert said == ["--micro-batch: 8 samples per process, accumulated 1 times to the 8 of each process's share of the "
+                    f"global batch (the largest that fits: 8 fits; tried on {trains:,} of {total:,} parameters with "
+                    "gradients and optimizer state, gradient checkpointing on)"]
 
 
 @pytest.mark.parametrize("args, message", [

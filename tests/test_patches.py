@@ -158,9 +158,11 @@ def test_a_metric_computes_unsynchronised_within_the_block_only(monkeypatch):
     assert metric.compute() == 6 and len(calls) == 1  # torchmetrics' own synchronisation, as the user set it
 
 
-def test_fit_leaves_the_process_as_it_found_it(monkeypatch, tmp_path, torch_on_one_thread):
-    """A user's `fit` changes neither glibc's allocator nor any class of Accelerate; the command line keeps
-    freed memory (docs/performance.md)."""
+def test_fit_replaces_three_accelerate_attributes_and_no_class_nor_the_allocator(accelerate_as_installed, monkeypatch,
+                                                                                tmp_path, torch_on_one_thread):
+    """A user's `fit` leaves three module attributes of Accelerate replaced, for the rest of the process (the cached
+    lookups and the DeepSpeed import of apply_to_process), and changes neither any class of Accelerate nor glibc's
+    allocator; the command line keeps freed memory (docs/performance.md)."""
     import acc_trainer
     import acc_trainer.training.api
     from acc_trainer import cli
@@ -176,6 +178,8 @@ def test_fit_leaves_the_process_as_it_found_it(monkeypatch, tmp_path, torch_on_o
     finally:
         reset_accelerate()
     assert calls == [] and Accelerator.backward is backward
+    assert accelerate.optimizer.inspect is not inspect and hasattr(accelerate.optimizer.is_lomo_available, "cache_info")
+    assert accelerate.utils.other.is_deepspeed_available.__module__ == "acc_trainer.patches"
     monkeypatch.setattr(acc_trainer.training.api, "train", lambda cfg: calls.append("train"))
     cli.main(["--epochs", "1"])
     assert calls == ["mallopt", "train"]

@@ -93,6 +93,21 @@ def test_fsdp_on_two_cpu_processes(tmp_path, plain_run):
     s = summary(tmp_path / "run")  # each weight is held once: the report says so, never a claimed agreement
     assert s["ranks_agree"] is None and s["ranks_check"].startswith("not checked: FSDP keeps each weight once")
 
+    # The config on one CPU process, to continue the checkpoint there: one line saying what to run instead, nothing
+    # written; that command (one plain process) continues the checkpoint to the 2-process run's weights.
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000010"
+    alone = launch(*SHARDED_JOB, *NO_PLOTS, "--output-dir", tmp_path / "one", "--resume", checkpoint,
+                   launcher_args=["--config_file", CONFIGS / "fsdp.yaml", "--num_processes", "1"])
+    assert alone.returncode == 2, alone.stderr[-3000:]
+    assert alone.stderr.strip().splitlines()[-1] == (
+        "acc-trainer: error: the accelerate config selects FSDP for one CPU process, which has nothing to shard: run the "
+        "same acc-trainer command without the launcher (one plain process; it continues an FSDP2 checkpoint too), or "
+        "launch 2 or more processes")
+    assert not (tmp_path / "one").exists()
+    check(run_here(*SHARDED_JOB, *NO_PLOTS, "--output-dir", tmp_path / "one", "--resume", checkpoint))
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "run" / "model.safetensors")
+    assert max((one[k] - two[k]).abs().max().item() for k in two) <= 1e-5
+
 
 def test_deepspeed_input_errors(tmp_path, main_in_process, monkeypatch):
     """Each DeepSpeed setup Accelerate would break or quietly replace is one line, before anything is written."""

@@ -119,6 +119,43 @@ def test_a_stopped_sweep_continues_with_two_workers(tmp_path, monkeypatch):
     assert {**again, "output_dir": None} == {**ran, "output_dir": None, "resume": None}
 
 
+def test_every_signal_to_the_sweep_reaches_its_trial_and_the_sweep_waits_for_it():
+    """The sweep's stop (StopSignals(passes_on=True)): a SIGTERM that came while the trial was starting reaches it
+    once it is followed, and Ctrl-C twice reaches it twice (a trainer stops at once at the second, as in a
+    terminal) while the sweep keeps its handler: it is not interrupted, and stops once its trial has."""
+    import os
+
+    from acc_trainer.stopping import StopSignals
+
+    # Says each signal as it comes (one line each: two of a kind sent together could arrive as one).
+    trial = ("import signal, time\n"
+             "got = []\n"
+             "def said(signum, frame):\n"
+             "    got.append(signum)\n"
+             "    print(signum, flush=True)\n"
+             "signal.signal(signal.SIGINT, said)\n"
+             "signal.signal(signal.SIGTERM, said)\n"
+             "print('ready', flush=True)\n"
+             "while len(got) < 3:\n"
+             "    time.sleep(0.01)\n")
+    with StopSignals(passes_on=True) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        child = subprocess.Popen([sys.executable, "-c", trial], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline() == "ready\n"
+            stop.follow(child)
+            assert child.stdout.readline() == f"{signal.SIGTERM.value}\n"
+            for _ in range(2):  # the second with Python's own handler back would raise KeyboardInterrupt here
+                os.kill(os.getpid(), signal.SIGINT)
+                assert child.stdout.readline() == f"{signal.SIGINT.value}\n"
+            assert child.wait(timeout=30) == 0
+        finally:
+            stop.follow(None)
+            child.kill()
+            child.wait()
+    assert stop.received == signal.SIGTERM
+
+
 def test_median_pruning_and_a_failed_trial_under_any_launcher(tmp_path):
     """The launcher is any command (here a stand-in trial without torch): the median pruner stops the trial that is
     worse than the completed ones at the same step; a trial that fails is marked failed, with its last line; a grid

@@ -64,6 +64,7 @@ TWO_PROCESSES = [
     {"kind": "eval", "name": "eval", **EVAL},
     {"kind": "disagree", "name": "disagree"},
     _train("early", **EARLY),
+    {"kind": "mainfails", "name": "mainfails"},
 ]
 THREE_PROCESSES = [{"kind": "eval", "name": "eval", **EVAL}, _train("early", **EARLY)]
 
@@ -131,6 +132,28 @@ def test_accumulation_gives_the_same_steps(runs):
     print(f"grad-accum 4 vs none: {accum4:.2e}; 2 processes x grad-accum 2 vs 1 process: {accum2_two_processes:.2e}")
     assert accum4 <= 1e-5 and accum2_two_processes <= 1e-5
     assert summary(runs[2] / "sgd_mlp_accum2")["per_process_batch_size"] == 16
+
+
+def test_an_error_on_the_main_process_stops_every_process_with_its_message(runs):
+    """At each place where the main process computes and the others wait (the run's folder, its lock, the checkpoint
+    to resume, the trackers, the range test's files, the micro-batch try), an OSError on the main process alone ends
+    every process at once: the main process with its own error, the other with the main's message (a ConfigError for
+    a checkpoint folder that cannot be read), none waiting out --dist-timeout (60 s here)."""
+    import topology_probe
+
+    main, other = json.loads((runs[2] / "mainfails.json").read_text())
+    assert list(main) == list(topology_probe.MAIN_FAILS)
+    for place in topology_probe.MAIN_FAILS:
+        injected = f"injected at the {place}"
+        if place == "checkpoint to resume":
+            assert main[place]["error"] == other[place]["error"] == "ConfigError", place
+            assert main[place]["message"] == other[place]["message"] and injected in main[place]["message"]
+        else:
+            assert (main[place]["error"], main[place]["message"]) == ("OSError", injected), place
+            assert other[place]["error"] == "MainProcessFailed", (place, other[place])
+            assert f"OSError: {injected}" in other[place]["message"]
+            assert ("process 0 failed" if place == "micro-batch try" else "the main process failed") in other[place]["message"]
+        assert max(main[place]["seconds"], other[place]["seconds"]) < 20, (place, main[place], other[place])
 
 
 def test_gradients_sync_once_per_optimizer_step(runs):

@@ -10,6 +10,8 @@ One launch runs many jobs because starting processes costs more than these small
   eval:      acc_trainer.training.evaluation.evaluate over eval sets of several sizes and batch sizes, with metrics with state
   allreduce: a train job that also counts DDP's gradient all-reduces (bucket hooks)
   disagree:  the trainer's rank-agreement check on weights changed on process 1 only
+  mainfails: runs that an OSError on the main process stops at each place the others wait for it (MAIN_FAILS), each
+             process's error and how long it took
 The main process writes OUT_DIR/<name>.json for the jobs other than train.
 """
 
@@ -136,6 +138,64 @@ def run_allreduce(job: dict, out: Path) -> dict:
     return {"allreduce_calls": calls[0]}
 
 
+# Each place where the main process computes and the others wait: what raises there, on the main process only, and the
+# run that reaches it (fit's options; "find" runs find_lr).
+MAIN_FAILS = {
+    "run folder's name": ("acc_trainer.outputs.runfiles._unused", {"output_dir": None}),
+    "folder in use": ("acc_trainer.outputs.runfiles.check_not_in_use", {}),
+    "folder's lock": ("acc_trainer.training.setup.lock_run_folder", {}),
+    "checkpoint to resume": ("acc_trainer.outputs.checkpoints._chosen", {"resume": "auto"}),
+    "trackers' start": ("acc_trainer.outputs.trackers.start", {"log_with": "tensorboard"}),
+    "micro-batch try": ("acc_trainer.training.micro_batch._fits", {"micro_batch": "auto"}),
+    "recorded learning rate": ("acc_trainer.training.lr_range.recorded_suggestion", {"lr": "find", "resume": "auto"}),
+    "range test's figure": ("acc_trainer.training.lr_range.draw", {"lr": "find"}),
+}
+
+
+def run_mainfails(job: dict, out: Path) -> list:
+    """Every process's error at each place of MAIN_FAILS (process 0's an OSError), and its seconds."""
+    import importlib
+    import time
+    from unittest import mock
+
+    from acc_trainer import fit
+
+    state, mine = PartialState(cpu=True), {}  # the group every run of the launch joins
+    cfg = make_config({"model": "mlp", "train_size": 64, "eval_size": 16, "batch_size": 8})
+    data = build_data(cfg)
+    for place, (target, options) in MAIN_FAILS.items():
+        fresh_state()
+        module, _, name = target.rpartition(".")
+        original = getattr(importlib.import_module(module), name)
+
+        def fails(*args, _place=place, _original=original, **kwargs):
+            if state.is_main_process:
+                raise OSError(f"injected at the {_place}")
+            return _original(*args, **kwargs)
+
+        torch.manual_seed(0)
+        model = build_model(cfg, data)
+        options = {"output_dir": str(out / "mainfails" / place.replace(" ", "_").replace("'", "")), "batch_size": 8,
+                   "epochs": 1, "progress": "none", "plots": False, "dist_timeout": 60, "seed": 0, **options}
+        since = time.perf_counter()
+        try:
+            with mock.patch(target, fails):
+                if options.get("lr") == "find" and "resume" not in options:
+                    options.pop("lr")
+                    from acc_trainer import find_lr
+
+                    find_lr(model, data.train, steps=10, **options)
+                else:
+                    fit(model, data.train, data.eval, **options)
+            mine[place] = {"error": None}
+        except Exception as e:
+            mine[place] = {"error": type(e).__name__, "message": str(e)}
+        mine[place]["seconds"] = time.perf_counter() - since
+    from accelerate.utils import gather_object
+
+    return gather_object([mine])
+
+
 def run_jobs(jobs: list[dict], out: Path) -> None:
     """Every job, one after another, in this process (of a launch, or a test's own for 1 process)."""
     for job in jobs:
@@ -146,6 +206,8 @@ def run_jobs(jobs: list[dict], out: Path) -> None:
             continue
         if kind == "allreduce":
             result = run_allreduce(job, out)
+        elif kind == "mainfails":
+            result = run_mainfails(job, out)
         else:
             result = {"order": run_order, "eval": run_eval, "disagree": run_disagree}[kind](job)
         if PartialState().is_main_process:

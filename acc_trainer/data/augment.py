@@ -92,7 +92,8 @@ class Augment:
         if self.crop == "pad":
             x = crop_flip(x, self._draw(index, 3, 0).to(x.device))
         else:
-            x = torch.stack([resized_crop(image, u, self.size) for image, u in zip(x, self._draw(index, 41, 0).cpu())])
+            x = torch.stack([resized_crop(image, u, self.size)
+                             for image, u in zip(x, self._draw(index, 41, 0).cpu(), strict=True)])
         if self.kind == "trivialaugment":
             x = trivial_augment(x, self._draw(index, 1, 1))
         return x
@@ -223,7 +224,7 @@ def trivial_augment(x, u: torch.Tensor):
 
     op = v2.TrivialAugmentWide()
     out = []
-    for image, seed in zip(x, (u[:, 0] * 2**31).long().tolist()):
+    for image, seed in zip(x, (u[:, 0] * 2**31).long().tolist(), strict=True):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             out.append(op(image))

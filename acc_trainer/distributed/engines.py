@@ -105,6 +105,11 @@ def check_fsdp(cfg: TrainConfig) -> None:
         raise ConfigError("fsdp_offload_params: true moves the weights between a GPU and the CPU's memory, and these "
                           "processes run on the CPU (their weights are in its memory already): set it to false in the "
                           "accelerate config")
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and (cfg.cpu or not torch.cuda.is_available()):
+        # Accelerate 1.15 sets FSDP up on CPUs for several processes only (set_up), and one has nothing to shard.
+        raise ConfigError("the accelerate config selects FSDP for one CPU process, which has nothing to shard: run the "
+                          "same acc-trainer command without the launcher (one plain process; it continues an FSDP2 "
+                          "checkpoint too), or launch 2 or more processes")
 
 
 def _number(text: str) -> float | None:
@@ -239,8 +244,8 @@ def _cut(units: list, embedding, head, norm, tied: bool, by_class: bool) -> list
     tied). Without a unit of the policy's, each forward pass gathers every block's weights at once."""
     free = [m is not None and not any(m is u for u in units) for m in (embedding, norm, head)]
     carved = ["the embedding"] if free[0] and not tied else []
-    tail = [name for name, kept in zip(("the final norm", "the embedding", "the head"), (free[1], free[0] and tied, free[2]))
-            if kept]
+    tail = [name for name, kept in zip(("the final norm", "the embedding", "the head"), (free[1], free[0] and tied, free[2]),
+                                       strict=True) if kept]
     if tail:
         carved.append(tail[0] if len(tail) == 1 else f"{', '.join(tail[:-1])} and {tail[-1]} in one")
     counts = Counter(type(unit).__name__ for unit in units)

@@ -12,17 +12,19 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs, PartialState
-from accelerate.utils import DistributedType, broadcast, broadcast_object_list
+from accelerate.utils import DistributedType, broadcast, broadcast_object_list, gather_object
 
 from .. import patches
-from ..config import ConfigError, TrainConfig, did_you_mean
+from ..config import ConfigError, TrainConfig, did_you_mean, first_line
 from ..data.datasets import Data
 from ..workload.measure import fingerprint
 from . import engines
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -195,15 +197,56 @@ def summing(accelerator: Accelerator) -> Callable[[list], list] | None:
     return lambda values: accelerator.reduce(torch.tensor(values, device=accelerator.device), "sum").tolist()
 
 
-def main_decides(check: Callable[[], None]) -> None:
-    """Runs `check` on the main process alone (a lock, a look at the disk); its ConfigError, if any, is
-    raised on every process, so that all stop together."""
-    error = [None]
-    if PartialState().is_main_process:
-        try:
-            check()
-        except ConfigError as e:
-            error = [str(e)]
-    broadcast_object_list(error)
-    if error[0]:
-        raise ConfigError(error[0])
+class MainProcessFailed(Exception):
+    """Raised on the other processes when the main process failed at a step they all wait for (`main_decides`,
+    `each_tries`): the failed process's error, its type and first line. That process raises its own error, with its
+    traceback."""
+
+
+def main_decides(make: Callable[[], T]) -> T:
+    """What `make()` returns on the main process alone (a look at the disk, a folder's name, a file only it reads),
+    handed to every process. Whatever happens, an outcome is handed over, so that no process is left waiting for
+    one that failed: a ConfigError is raised on every process with its line; any other error is raised on the main
+    process as it is, and as MainProcessFailed naming it on the others. Every process calls this; the one place
+    where the main process computes and the others wait (test_layout holds it)."""
+    state = PartialState()
+    outcome, error = [None], None
+    if state.is_main_process:
+        outcome, error = _outcome(make)
+    if state.num_processes > 1:
+        broadcast_object_list(outcome)
+    return _agreed(outcome, error, "the main process")
+
+
+def each_tries(make: Callable[[], T]) -> list[T]:
+    """What `make()` returns on every process, in process order, on each; an error on any process is raised on
+    every one, as main_decides raises the main's."""
+    state = PartialState()
+    outcome, error = _outcome(make)
+    if state.num_processes == 1:
+        return [_agreed(outcome, error, "the process")]
+    everywhere = gather_object(outcome)
+    for index, held in enumerate(everywhere):
+        if held[0] != "made":
+            _agreed([held], error if index == state.process_index else None, f"process {index}")
+    return [value for _, value in everywhere]
+
+
+def _outcome(make: Callable[[], T]) -> tuple[list, BaseException | None]:
+    try:
+        return [("made", make())], None
+    except ConfigError as e:
+        return [("config", str(e))], e
+    except BaseException as e:  # a bug, a full disk, Ctrl-C: its own traceback here, and no one left waiting
+        return [("failed", f"{type(e).__name__}: {first_line(e)}")], e
+
+
+def _agreed(outcome: list, error: BaseException | None, who: str):
+    if error is not None:
+        raise error
+    kind, value = outcome[0]
+    if kind == "config":
+        raise ConfigError(value)
+    if kind == "failed":
+        raise MainProcessFailed(f"{who} failed ({value}); this process stopped with it")
+    return value

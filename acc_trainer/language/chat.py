@@ -5,9 +5,11 @@ or strings), and preference pairs (prompt, chosen, rejected) for DPO.
 The labels are those TRL 1.16's trainers build, token for token (tests/test_chat.py compares them):
 - `messages`: the assistant's tokens. A chat template with `{% generation %}` blocks marks them itself (transformers'
   `return_assistant_tokens_mask`, TRL's `assistant_only_loss`); for any other template each assistant turn is found by
-  rendering the conversation before it with the generation prompt and the conversation up to it, its characters mapped
-  onto tokens by their offsets (the rule transformers uses for its own spans). A template that renders earlier turns
-  differently once a later one follows (some drop earlier reasoning) is refused: give one with generation blocks.
+  rendering the conversation before it with the generation prompt and the conversation up to it (a turn that opens the
+  conversation: its own text, as it follows a placeholder user turn), its characters mapped onto tokens by their
+  offsets (the rule transformers uses for its own spans); the turn's header and a default system prompt stay
+  unlabelled. A template that renders earlier turns differently once a later one follows (some drop earlier
+  reasoning), or an opening assistant turn differently after a user turn, is refused: give one with generation blocks.
 - prompt/completion: the tokens after the common prefix of the prompt tokenized alone (with the generation prompt for
   messages) and of prompt + completion (TRL's completion-only loss); text completions get the EOS token appended as text.
 - text: every token, EOS appended.
@@ -138,13 +140,10 @@ def assistant_mask(tokenizer, messages: list, index: int | None = None) -> tuple
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], index=index, add_generation_prompt=True)  # what the model is given
         upto = _render(tokenizer, messages[:i + 1], index=index)
-        if not (text.startswith(upto) and upto.startswith(before)):
-            raise ConfigError(f"{_where(index)}the chat template renders the conversation before message {i} "
-                              f"differently once message {i} follows, so the assistant's tokens cannot be found; give "
-                              "a template with {% generation %} blocks (--chat-template FILE)")
-        spans.append((len(before), len(upto)))
+        if not text.startswith(upto):
+            raise _unfindable(index, f"the conversation up to message {i} differently once later turns follow")
+        spans.append((_turn_start(tokenizer, messages, i, upto, index), len(upto)))
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask, k = [], 0
     for start, end in encoded["offset_mapping"]:
@@ -152,6 +151,33 @@ def assistant_mask(tokenizer, messages: list, index: int | None = None) -> tuple
             k += 1
         mask.append(int(k < len(spans) and end > spans[k][0] and end > start))
     return list(encoded["input_ids"]), mask
+
+
+PLACEHOLDER_TURN = {"role": "user", "content": "hi"}
+
+
+def _turn_start(tokenizer, messages: list, i: int, upto: str, index: int | None) -> int:
+    """Where assistant message i begins in `upto` (the conversation up to it, rendered): after the conversation
+    before it rendered with the generation prompt, so the template's own text (the turn's header, a default system
+    prompt) is never the assistant's."""
+    if i:
+        before = _render(tokenizer, messages[:i], index=index, add_generation_prompt=True)  # what the model is given
+        if not upto.startswith(before):
+            raise _unfindable(index, f"the conversation before message {i} differently once message {i} follows")
+        return len(before)
+    # Nothing comes before a conversation's first turn, and transformers renders no empty conversation: the turn's
+    # own text is what follows a placeholder user turn with the generation prompt, and `upto` must end with it.
+    before = _render(tokenizer, [PLACEHOLDER_TURN], index=index, add_generation_prompt=True)
+    after = _render(tokenizer, [PLACEHOLDER_TURN, messages[0]], index=index)
+    turn = after[len(before):]
+    if not (after.startswith(before) and upto.endswith(turn)):
+        raise _unfindable(index, "message 0 (the assistant's, opening the conversation) differently after a user turn")
+    return len(upto) - len(turn)
+
+
+def _unfindable(index: int | None, what: str) -> ConfigError:
+    return ConfigError(f"{_where(index)}the chat template renders {what}, so the assistant's tokens cannot be found; "
+                       "give a template with {% generation %} blocks (--chat-template FILE)")
 
 
 def _encode(tokenizer, sample, kind: str, index: int | None) -> tuple[list[int], list[int]]:
@@ -282,8 +308,6 @@ def _template_errors(index: int | None):
 
 
 def _render(tokenizer, messages: list, index: int | None = None, **kwargs) -> str:
-    if not messages:
-        return ""
     with _template_errors(index):
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
 

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list
+from accelerate import Accelerator
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..config import ConfigError, TrainConfig, first_line
+from ..distributed.processes import main_decides
 from . import moving
 
 STATE_FILE = "trainer_state.json"
@@ -173,23 +173,15 @@ def find_resume(cfg: TrainConfig, out: Path) -> tuple[Path | None, list[str]]:
     every process gets its answer."""
     if cfg.resume is None:
         return None, []
-    answer, failed = [None], None
-    if PartialState().is_main_process:
+
+    def chosen():
         try:
-            answer = [_chosen(cfg, out)]
-        except ConfigError as e:
-            answer = [str(e)]
+            return _chosen(cfg, out)
         except OSError as e:  # a folder that cannot be read is the user's input too
-            answer = [f"--resume {cfg.resume}: the checkpoints in {out} cannot be read ({type(e).__name__}: "
-                      f"{first_line(e)})"]
-        except BaseException as e:  # a bug: its traceback on the main process, and no process left waiting for it
-            failed, answer = e, [f"the main process failed while choosing the checkpoint ({type(e).__name__})"]
-    broadcast_object_list(answer)  # reached by every process, whatever happened on the main one
-    if failed is not None:
-        raise failed
-    if isinstance(answer[0], str):
-        raise ConfigError(answer[0])
-    path, notes = answer[0]
+            raise ConfigError(f"--resume {cfg.resume}: the checkpoints in {out} cannot be read ({type(e).__name__}: "
+                              f"{first_line(e)})") from e
+
+    path, notes = main_decides(chosen)
     return (Path(path) if path else None), notes
 
 
@@ -428,8 +420,11 @@ def _rng_not_restored(path: Path, rank: int) -> str | None:
             states = load_weights_only(file)
         restored = (torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
                     and random.getstate() == states["random_state"]
-                    and all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states["numpy_random_seed"])))
+                    and all(np.array_equal(a, b)
+                            for a, b in zip(np.random.get_state(), states["numpy_random_seed"], strict=True)))
         if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            # Not strict: on a machine with another number of GPUs, set_rng_state_all restores the devices both
+            # machines have (it sets those it is given, one by one), and those are what can be compared.
             restored = restored and all(torch.equal(a, b) for a, b in
                                         zip(torch.cuda.get_rng_state_all(), states["torch_cuda_manual_seed"]))
     except Exception as e:

@@ -119,7 +119,7 @@ def plot_time_split(train: list[dict], title: str, folder: Path) -> Path:
                    colors=["tab:red", "tab:blue"], alpha=0.7)
     left.set(title="Time per step", xlabel="optimizer step", ylabel="ms per step")
     fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=2)
-    share = [100 * d / (d + c) if d + c > 0 else 0 for d, c in zip(data_ms, compute_ms)]
+    share = [100 * d / (d + c) if d + c > 0 else 0 for d, c in zip(data_ms, compute_ms, strict=True)]
     right.plot(steps, share, color="tab:red", lw=1.5)
     right.set(title="Share of time waiting for data", xlabel="optimizer step", ylabel="% of step time",
               ylim=(0, 100))

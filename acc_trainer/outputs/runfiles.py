@@ -13,7 +13,6 @@ from pathlib import Path
 
 import yaml
 from accelerate import PartialState
-from accelerate.utils import broadcast_object_list
 
 from ..config import ConfigError, TrainConfig
 from ..distributed.processes import main_decides
@@ -233,6 +232,13 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def new_run_folder(model_name: str, dataset_name: str, kind: str = "") -> Path:
+    """A new runs/<kind><time>-<model>-<dataset>, named by the main process for every process (each then writes to
+    the same folder); `kind` "lr-find-" for a range test's."""
+    labels = [re.sub(r"[^\w.-]+", "_", name.rpartition(":")[2]) for name in (model_name, dataset_name)]
+    return Path(main_decides(lambda: _unused(f"runs/{kind}{time.strftime('%Y%m%d-%H%M%S')}-{labels[0]}-{labels[1]}")))
+
+
 def _unused(name: str) -> str:
     """`name`, or `name-2`, `name-3`, ...: runs started within the same second (fit() twice) get folders of their own."""
     path, count = name, 1
@@ -251,11 +257,8 @@ def output_dir(cfg: TrainConfig, model_name: str, dataset_name: str) -> Path:
         out = Path(cfg.resume).resolve().parent.parent
     elif cfg.resume == "auto":
         raise ConfigError("--resume auto needs the --output-dir of the run to continue")
-    else:  # the main process names it, so that every process writes to the same folder
-        labels = [re.sub(r"[^\w.-]+", "_", name.rpartition(":")[2]) for name in (model_name, dataset_name)]
-        name = [_unused(f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{labels[0]}-{labels[1]}")]
-        broadcast_object_list(name)
-        out = Path(name[0])
+    else:
+        out = new_run_folder(model_name, dataset_name)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} exists and is not a folder")
     main_decides(lambda: check_not_in_use(out))

@@ -314,13 +314,13 @@ def logged_window(run_dir: Path, warmup: int, batch_size: int) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "step_time_s" in r]
     steps = [r["step"] - p["step"] for p, r in zip([{"step": 0}] + train, train)]
-    timed = [(n, r) for r, n in zip(train, steps) if r["step"] > warmup]
+    timed = [(n, r) for r, n in zip(train, steps, strict=True) if r["step"] > warmup]
     done = sum(n for n, _ in timed)
     elapsed = sum(r["step_time_s"] * n for n, r in timed)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"samples_per_s": done * batch_size / elapsed, "time_s": elapsed, "step_time_s": elapsed / done,
             "data_time_s": sum(r["data_time_s"] * n for n, r in timed) / done,
-            "warmup_s": sum(r["step_time_s"] * n for r, n in zip(train, steps) if r["step"] <= warmup),
+            "warmup_s": sum(r["step_time_s"] * n for r, n in zip(train, steps, strict=True) if r["step"] <= warmup),
             "interval_step_s": [r["step_time_s"] for _, r in timed],  # each logged interval's seconds a step
             "flops_per_sample": summary.get("model_flops_per_sample") or 0, "world_size": summary["world_size"],
             "peak_memory_mb": summary["peak_memory_mb"]}

@@ -25,7 +25,7 @@ def _recorder(record: dict):
 
     def after(module, args, output):
         if module.training and _in_training_steps() and "rng" in state and not record["draws"]:
-            record["draws"] = any(not torch.equal(a, b) for a, b in zip(state["rng"], _rng_states()))
+            record["draws"] = any(not torch.equal(a, b) for a, b in zip(state["rng"], _rng_states(), strict=True))
 
     return before, after
 
@@ -58,7 +58,7 @@ def _sample_rows(values: list) -> list[torch.Tensor] | None:
             mask = next((m for m in tensors[1:] if m.shape == value.shape and m.dim() == 2 and not m.is_floating_point()
                          and bool(((m == 0) | (m == 1)).all())), None)
             if mask is not None and value.dim() == 2:
-                return [row[keep.bool()] for row, keep in zip(x, mask.cpu())]
+                return [row[keep.bool()] for row, keep in zip(x, mask.cpu(), strict=True)]
             return list(x.reshape(len(x), -1))
         if isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value):
             return [t.detach().flatten().double().cpu() for t in value]

@@ -15,7 +15,7 @@ def plot_comparison(runs: list[Path], labels: list[str], path: Path) -> Path:
     has_accuracy = all(evals and "eval_accuracy" in evals[0] for _, evals in data)
     with plt.rc_context(STYLE):
         fig, (loss_ax, eval_ax, speed_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
-        for (train, evals), label in zip(data, labels):
+        for (train, evals), label in zip(data, labels, strict=True):
             steps = [r["step"] for r in train]
             line, = loss_ax.plot(steps, smooth([r["loss"] for r in train]), lw=2, label=label)
             if evals and (has_accuracy or "eval_loss" in evals[0]):
@@ -74,7 +74,7 @@ def plot_bench(rows: list[dict], folder: Path, title: str) -> list[Path]:
         left.bar(x, compute_ms, bottom=data_ms, color="tab:blue", alpha=0.8, label="compute (forward, backward, step)")
         left.set(title="Time per step", ylabel="ms per step")
         left.set_xticks(x, labels, fontsize=8)
-        share = [100 * d / (d + c) if d + c else 0 for d, c in zip(data_ms, compute_ms)]
+        share = [100 * d / (d + c) if d + c else 0 for d, c in zip(data_ms, compute_ms, strict=True)]
         bars = right.bar(x, share, color="tab:red", alpha=0.8)
         right.bar_label(bars, labels=[f"{s:.0f} %" for s in share], fontsize=8, padding=2)
         right.set(title="Share of step time waiting for data", ylabel="% of step time", ylim=(0, 100))

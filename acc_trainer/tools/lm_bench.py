@@ -277,7 +277,7 @@ def summarise(runs: dict[str, list[dict]], tokens: int, warmup: int = 0, steps: 
         mine = ours.get(r["processes"])
         if r["loop"] != "acc_trainer" and mine:
             r["ratio"] = mine["tokens_per_s"] / r["tokens_per_s"]
-            r["ratios"] = [a / b for a, b in zip(mine["tokens_per_s_all"], r["tokens_per_s_all"])]
+            r["ratios"] = [a / b for a, b in zip(mine["tokens_per_s_all"], r["tokens_per_s_all"], strict=True)]
             r["ratios_median"] = statistics.median(r["ratios"])
             r["quiet_ratio"] = mine["quiet_tokens_per_s"] / r["quiet_tokens_per_s"]
     return rows

@@ -54,7 +54,7 @@ def report(runs: list[Path], labels: list[str], output: Path, console: Console |
     for column in ("run", "model / data", "processes", "precision", "steps", "accuracy", "eval loss",
                    "other metrics", "best", "wall time", "samples/s"):
         table.add_column(column, justify="left" if column in ("run", "model / data") else "right")
-    for label, s in zip(labels, summaries):
+    for label, s in zip(labels, summaries, strict=True):
         final = s.get("eval") or {}
         best = _best(s)
         table.add_row(
@@ -89,7 +89,7 @@ def _differing_options(runs: list[Path], labels: list[str]) -> str:
     names = sorted({name for config in configs for name in config} - MAY_CHANGE)
     differ = [name for name in names if len({repr(config.get(name)) for config in configs}) > 1]
     return "; ".join(f"--{name.replace('_', '-')} (" + ", ".join(f"{label}: {config.get(name)}"
-                                                              for label, config in zip(labels, configs)) + ")"
+                                                              for label, config in zip(labels, configs, strict=True)) + ")"
                      for name in differ)
 
 

@@ -37,6 +37,7 @@ import yaml
 
 from ..config import ConfigError, did_you_mean, first_line
 from ..flags import Parser
+from ..stopping import StopSignals
 from .sweep_results import _shown, show_results
 from .sweep_space import TRIALS, Space, read_space, trial_options
 
@@ -132,7 +133,7 @@ def sweep(space: Space, console) -> int:
     console.print(f"study {space.study} ({space.storage}): {space.trials} trials, {space.sampler} sampler, "
                   f"{space.pruner} pruner, {space.direction} {space.metric}; run folders in {space.folder}", markup=False)
     ran, failed = 0, 0
-    with _Stop() as stop:
+    with StopSignals(passes_on=True) as stop:
         while not stop.received:
             picked = next_trial(study, space)
             if picked is None:
@@ -208,7 +209,7 @@ def _lock(folder: Path):
     return handle
 
 
-def run_trial(study, space: Space, picked: Picked, stop: _Stop, console) -> bool:
+def run_trial(study, space: Space, picked: Picked, stop: StopSignals, console) -> bool:
     """One trial's run, followed to its end: complete (its last evaluation's value), pruned, failed, or left
     running when the sweep is stopped (the sweep run again resumes it). False when it failed."""
     from optuna.trial import TrialState
@@ -220,7 +221,7 @@ def run_trial(study, space: Space, picked: Picked, stop: _Stop, console) -> bool
                   markup=False)
     started = time.monotonic()
     with open(folder / "trial.log", "a") as log:
-        # A session of its own: Ctrl-C in a terminal reaches this process alone, which passes it on (_Stop).
+        # A session of its own: Ctrl-C in a terminal reaches this process alone, which passes it on (StopSignals).
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                  preexec_fn=_stopped_with_the_sweep)
         stop.follow(child)
@@ -276,7 +277,7 @@ def tell(study, trial, value: float | None = None, state=None) -> None:
             raise
 
 
-def follow(trial, metrics: Path, child: subprocess.Popen, metric: str, reported: dict, stop: _Stop) -> tuple:
+def follow(trial, metrics: Path, child: subprocess.Popen, metric: str, reported: dict, stop: StopSignals) -> tuple:
     """Reports each new evaluation of `metric` in the trial's metrics.jsonl to the study while the trial runs, and
     stops it (SIGTERM) when the pruner prunes it. Returns the step it was pruned at (None: it was not) and the names
     of the evaluations' results."""
@@ -327,37 +328,6 @@ class _Lines:
             except ValueError:
                 continue
         return records
-
-
-class _Stop:
-    """Ctrl-C or SIGTERM to the sweep: passed on to the running trial, which checkpoints and exits, and no trial
-    starts after it. A second one is passed on too (the trainer then stops at once, as in a terminal)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.received: int | None = None
-        self._child: subprocess.Popen | None = None
-        self._previous = {}
-
-    def __enter__(self) -> _Stop:
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = self.received or signum
-        if self._child is not None and self._child.poll() is None:
-            self._child.send_signal(signum)
-
-    def follow(self, child: subprocess.Popen | None) -> None:
-        self._child = child
-        if child is not None and self.received:  # arrived while the trial was starting
-            child.send_signal(self.received)
 
 
 def _failure(code: int, folder: Path, metric: str, seen: set) -> str:

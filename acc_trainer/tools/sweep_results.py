@@ -41,7 +41,7 @@ def show_results(study, space: Space, console) -> None:
         if any(t.state == state for t in trials)))
     for column in header:
         table.add_column(column, justify="left" if column == "state" else "right")
-    for trial, row in zip(trials, rows):
+    for trial, row in zip(trials, rows, strict=True):
         table.add_row(*[_cell(v) for v in row], style="bold" if trial.number == best else None)
     with open(space.folder / "trials.csv", "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])

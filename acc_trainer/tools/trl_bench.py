@@ -315,7 +315,7 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
         if r["loop"] != "acc_trainer" and mine:
             r["ratio"] = mine["tokens_per_s"] / r["tokens_per_s"]
             r["cpu_ratio"] = mine["tokens_per_cpu_s"] / r["tokens_per_cpu_s"]
-            r["ratios"] = [a / b for a, b in zip(mine["tokens_per_s_all"], r["tokens_per_s_all"])]
+            r["ratios"] = [a / b for a, b in zip(mine["tokens_per_s_all"], r["tokens_per_s_all"], strict=True)]
             r["ratios_median"] = statistics.median(r["ratios"])
     return rows
 

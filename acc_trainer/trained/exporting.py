@@ -203,14 +203,14 @@ def _run_onnx(path: Path, inputs: list) -> tuple[list, str]:
         from onnx.reference import ReferenceEvaluator
 
         evaluator = ReferenceEvaluator(str(path))
-        return evaluator.run(None, dict(zip(evaluator.input_names, inputs))), "onnx.reference (onnxruntime is not " \
-                                                                               "installed)"
+        outputs = evaluator.run(None, dict(zip(evaluator.input_names, inputs, strict=True)))
+        return outputs, "onnx.reference (onnxruntime is not installed)"
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     if len(names) != len(inputs):
         raise ConfigError(f"export: the ONNX file takes {len(names)} inputs ({', '.join(names)}), the model was given "
                           f"{len(inputs)} tensors")
-    return session.run(None, dict(zip(names, inputs))), f"onnxruntime {onnxruntime.__version__}"
+    return session.run(None, dict(zip(names, inputs, strict=True))), f"onnxruntime {onnxruntime.__version__}"
 
 
 def _safetensors(model, args: tuple, kwargs: dict, output: Path) -> tuple:
@@ -237,10 +237,10 @@ def _largest_difference(expected, got) -> tuple[float, float]:
     want = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
     have = [torch.as_tensor(t) for t in torch.utils._pytree.tree_leaves(got)
             if isinstance(t, torch.Tensor) or hasattr(t, "__array__")]
-    if len(want) != len(have) or any(w.shape != h.shape for w, h in zip(want, have)):
+    if len(want) != len(have) or any(w.shape != h.shape for w, h in zip(want, have, strict=True)):
         return math.inf, 0.0
     difference, scale = 0.0, 0.0
-    for w, h in zip(want, have):
+    for w, h in zip(want, have, strict=True):
         w, h = w.detach().double(), h.detach().double()
         gap = (w - h).abs().nan_to_num(nan=math.inf)
         difference = max(difference, float(gap.max()) if gap.numel() else 0.0)

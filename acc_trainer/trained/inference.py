@@ -394,7 +394,8 @@ def _plain(obj):
 def _rows(gathered, start: int, columns: tuple | None = None) -> list[dict]:
     if columns is not None:  # named values: a tensor's columns, or each sample's dict
         values = gathered.cpu().tolist() if isinstance(gathered, torch.Tensor) else gathered
-        rows = [{"index": start + i, **(dict(zip(columns, v)) if isinstance(v, list) else v)} for i, v in enumerate(values)]
+        rows = [{"index": start + i, **(dict(zip(columns, v, strict=True)) if isinstance(v, list) else v)}
+                for i, v in enumerate(values)]
         for row in rows:
             if "tokens" in row:
                 row["tokens"] = int(row["tokens"])  # a count, gathered in the float tensor of its row

@@ -159,7 +159,7 @@ def _found_lr(model, train_data, options: dict, **fit_args) -> float:
     run_folder = options.get("output_dir") or (config.output_dir if config else None)
     resume = options["resume"] if "resume" in options else config.resume if config else None
     recorded = Path(run_folder, "lr-find") if run_folder and resume is not None else None
-    suggestion = _made_by_main(lambda: lr_range.recorded_suggestion(recorded)) if recorded else None
+    suggestion = processes.main_decides(lambda: lr_range.recorded_suggestion(recorded)) if recorded else None
     if suggestion is not None:  # a resumed run goes on with the rate it was started with
         if PartialState().is_main_process:
             print(f"lr=\"find\": resuming with the learning rate the run was started with, {suggestion:.1e} "
@@ -188,22 +188,7 @@ def _starting_at(factory, lr: float):
 def _concluded(test: lr_range.RangeTest, folder, schedule: lr_range.Schedule, title: str) -> lr_range.RangeTest:
     """The test's curve and suggestion, made by the main process from its run's files and handed to every process;
     a curve too short to suggest from raises its ConfigError on each."""
-    return _made_by_main(lambda: lr_range.conclude(test, folder, schedule, title))
-
-
-def _made_by_main(make):
-    """What `make()` returns on the main process (from files only it reads), handed to every process; a ConfigError
-    it returns is raised on each."""
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
-
-    state = PartialState()
-    made = [make() if state.is_main_process else None]
-    if state.num_processes > 1:
-        broadcast_object_list(made)
-    if isinstance(made[0], ConfigError):
-        raise made[0]
-    return made[0]
+    return processes.main_decides(lambda: lr_range.conclude(test, folder, schedule, title))
 
 
 def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[str, ...]:

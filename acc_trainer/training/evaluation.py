@@ -146,7 +146,7 @@ def _results(accelerator: Accelerator, totals: list[float], has_loss: bool, metr
     total, samples), the metrics derived from the loss, and the metrics with state computed over every process."""
     count = int(totals[-1])
     results = {"loss": totals[0] / max(totals[1], 1)} if has_loss else {}
-    results.update({name: total / count for name, total in zip(metrics, totals[2:-1])})
+    results.update({name: total / count for name, total in zip(metrics, totals[2:-1], strict=True)})
     results.update({name: fn(results["loss"]) for name, fn in derived.items() if has_loss})
     for name, metric in stateful.items():
         value = merged_metric(accelerator, metric)

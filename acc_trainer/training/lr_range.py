@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,19 +96,11 @@ def run_options(test: RangeTest, folder: Path) -> dict:
 
 
 def folder_for(output_dir: str | None, model_name: str, dataset_name: str) -> Path:
-    """The test's folder: `output_dir`, or a new runs/lr-find-<time>-<model>-<dataset>, named by the main process
+    """The test's folder: `output_dir`, or a new runs/lr-find-<time>-<model>-<dataset> named by the main process
     for every process (the process group is started)."""
-    if output_dir:
-        return Path(output_dir)
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
+    from ..outputs.runfiles import new_run_folder
 
-    labels = [re.sub(r"[^\w.-]+", "_", name.rpartition(":")[2]) for name in (model_name, dataset_name)]
-    base = f"runs/lr-find-{time.strftime('%Y%m%d-%H%M%S')}-{labels[0]}-{labels[1]}"
-    name = [next(p for p in (base, *(f"{base}-{n}" for n in range(2, 10_000))) if not Path(p).exists())]
-    if PartialState().num_processes > 1:
-        broadcast_object_list(name)
-    return Path(name[0])
+    return Path(output_dir) if output_dir else new_run_folder(model_name, dataset_name, "lr-find-")
 
 
 @contextmanager
@@ -125,9 +115,9 @@ def ending_where_not_finite(test: RangeTest):
         test.stop_reason = "not finite"
 
 
-def conclude(test: RangeTest, folder: Path, schedule: Schedule, title: str) -> RangeTest | ConfigError:
+def conclude(test: RangeTest, folder: Path, schedule: Schedule, title: str) -> RangeTest:
     """The test made from its run's metrics.jsonl (main process): the curve, its cut, the suggestion, lr_find.json
-    and lr_find.png written. A curve too short to suggest from is written too, and returned as the ConfigError that
+    and lr_find.png written. A curve too short to suggest from is written too, then raised as the ConfigError that
     says why."""
     records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and "lr" in r]
@@ -148,21 +138,23 @@ def conclude(test: RangeTest, folder: Path, schedule: Schedule, title: str) -> R
         error = ConfigError(f"{e} ({ended}; the curve is in {folder / 'lr_find.json'})")
     (folder / "lr_find.json").write_text(json.dumps(test.as_json(), indent=1) + "\n")
     test.figure = draw(test, folder / "lr_find.png", title)
-    return error or test
+    if error:
+        raise error
+    return test
 
 
-def recorded_suggestion(folder: Path) -> float | ConfigError | None:
+def recorded_suggestion(folder: Path) -> float | None:
     """The suggestion the test in `folder` recorded in its lr_find.json (main process), None without the file; a test
-    that suggested none, or a file that cannot be read, as the ConfigError that says so."""
+    that suggested none, or a file that cannot be read, raises the ConfigError that says so."""
     path = Path(folder) / "lr_find.json"
     if not path.exists():
         return None
     try:
         value = json.loads(path.read_text())["suggestion"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return ConfigError(f'lr="find": {path} cannot be read ({type(e).__name__}: {e})')
+        raise ConfigError(f'lr="find": {path} cannot be read ({type(e).__name__}: {e})')
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        return ConfigError(f'lr="find": the range test in {folder} suggested no learning rate (its curve is in '
+        raise ConfigError(f'lr="find": the range test in {folder} suggested no learning rate (its curve is in '
                            "lr_find.json): give lr=, or test again into a new output_dir")
     return float(value)
 

@@ -1,15 +1,16 @@
 """`--micro-batch N|auto`: the per-process micro-batch, the rest of the global batch made up by gradient accumulation.
 
-The global batch (--batch-size) and so the math stay what they are: a micro-batch of m samples on each of W processes
-accumulates batch_size / (W x m) times per optimizer step, and accumulation changes the final weights only within
-rounding (the guarantee every topology keeps). `auto` finds the largest m that fits the device's memory: it starts
-from the global batch's share of one process and, as Accelerate's `find_executable_batch_size` does, goes down on an
-out-of-memory error (to the largest divisor of the share at most half the last size, so that the accumulation is a
-whole number). Each size is tried with one forward and backward pass of the run's first samples through the model on
-its device, under the run's autocast, with the optimizer's state stand-ins allocated beside it (Adam keeps two
-tensors per parameter, SGD with momentum one): the memory of a training step. The try changes nothing of the model
-(its gradients are dropped, its buffers put back) nor of the random numbers. Every process takes the size that fits
-on all of them. A resumed run on as many processes keeps the checkpoint's choice without trying again.
+The global batch (--batch-size) and so the math stay what they are: a micro-batch of m samples on each of W
+processes accumulates batch_size / (W x m) times per optimizer step, and accumulation changes the final weights only
+within rounding (the guarantee every topology keeps). `auto` finds the largest m that fits the device's memory: it
+starts from the global batch's share of one process and, as Accelerate's `find_executable_batch_size` does, goes
+down on an out-of-memory error (to the largest divisor of the share at most half the last size, so that the
+accumulation is a whole number). Each size is tried with one forward and backward pass of the run's first samples
+through the model as it will train (its starting weights, adapters, frozen parameters and gradient checkpointing in
+place) on its device, under the run's autocast, with the optimizer's state stand-ins allocated beside it (Adam keeps
+two tensors per parameter, SGD with momentum one): the memory of a training step. The try changes nothing of the
+model (its gradients are dropped, its buffers put back) nor of the random numbers. Every process takes the size that
+fits on all of them. A resumed run on as many processes keeps the checkpoint's choice without trying again.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from accelerate.utils import send_to_device
 from accelerate.utils.memory import should_reduce_batch_size
 
 from ..config import ConfigError, TrainConfig
+from ..distributed import processes
 from ..distributed.processes import Group
 from ..workload import losses
 from ..workload.components import Workload
 from ..workload.first_batch import first_samples
 
 
-def settle(cfg: TrainConfig, job: Workload, group: Group, resumed: dict | None) -> tuple[TrainConfig, list[str]]:
-    """`cfg` with --grad-accum set from --micro-batch, and what the start line says of it."""
+def given(cfg: TrainConfig, group: Group, resumed: dict | None) -> tuple[TrainConfig, list[str]] | None:
+    """`cfg` with --grad-accum set from --micro-batch N (or from `auto`'s choice a checkpoint kept), and what the
+    start line says of it; None when `auto` must try sizes (`tried`, on the model as it will train)."""
     if cfg.micro_batch is None:
         return cfg, []
     world = group.state.num_processes
@@ -49,8 +52,16 @@ def settle(cfg: TrainConfig, job: Workload, group: Group, resumed: dict | None) 
     if group.engine != "DDP":
         raise ConfigError(f"--micro-batch auto tries sizes on the whole model; under {group.engine} each process holds "
                           "a shard: give --micro-batch N (or --grad-accum)")
-    size, tried = largest_fitting(cfg, job, group, share)
-    return replace(cfg, grad_accum=share // size), [_said(size, share, "the largest that fits: " + ", ".join(tried))]
+    return None
+
+
+def tried(cfg: TrainConfig, job: Workload, model: torch.nn.Module, group: Group) -> tuple[TrainConfig, list[str]]:
+    """`auto`: `cfg` with --grad-accum set by the largest micro-batch that fits, tried on `model` as it will train
+    (its starting weights, adapters, frozen parameters and gradient checkpointing), and what the start line says."""
+    share = cfg.batch_size // group.state.num_processes
+    size, tries, held = largest_fitting(cfg, job, model, group, share)
+    return replace(cfg, grad_accum=share // size), [_said(size, share, "the largest that fits: " + ", ".join(tries) +
+                                                          "; tried on " + held)]
 
 
 def _said(size: int, share: int, how: str) -> str:
@@ -58,41 +69,46 @@ def _said(size: int, share: int, how: str) -> str:
             f"process's share of the global batch ({how})")
 
 
-def largest_fitting(cfg: TrainConfig, job: Workload, group: Group, share: int) -> tuple[int, list[str]]:
-    """The largest micro-batch (a divisor of `share`) whose training step fits on every process, and what was tried."""
+def largest_fitting(cfg: TrainConfig, job: Workload, model: torch.nn.Module, group: Group,
+                    share: int) -> tuple[int, list[str], str]:
+    """The largest micro-batch (a divisor of `share`) whose training step of `model` fits on every process, what was
+    tried, and what the tries held."""
     device = group.state.device
-    home = next(job.model.parameters()).device
-    job.model.to(device)  # where prepare will put it; back afterwards (the first-sample check runs where it was)
+    home = next(model.parameters()).device
+    model.to(device)  # where prepare will put it; back afterwards (the first-sample check runs where it was)
     try:
-        return _largest(cfg, job, group, share, device)
+        return _largest(cfg, job, model, group, share, device)
     finally:
-        job.model.to(home)
+        model.to(home)
 
 
-def _largest(cfg: TrainConfig, job: Workload, group: Group, share: int, device: torch.device) -> tuple[int, list[str]]:
-    size, tried = share, []
+def _largest(cfg: TrainConfig, job: Workload, model, group: Group, share: int,
+             device: torch.device) -> tuple[int, list[str], str]:
+    size, tries = share, []
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    # transformers' switch, on each layer it checkpoints (its model-level name changed in transformers 5)
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    held = (f"{trainable:,} of {total:,} parameters with gradients and optimizer state, gradient checkpointing "
+            + ("on" if checkpointing else "off"))
     while True:
         batch = send_to_device(first_samples(job.data.train, job.data.kind.train, size, job.collate, job.data.heads),
                                device)
-        fits = _fits(cfg, job, batch, device)
-        if group.state.num_processes > 1:  # the size that fits on every process
-            flag = torch.tensor([0.0 if fits else 1.0], device=device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            fits = flag.item() == 0
-        tried.append(f"{size} {'fits' if fits else 'out of memory'}")
+        # The size that fits on every process; a process that fails otherwise stops every one.
+        fits = all(processes.each_tries(lambda: _fits(cfg, job, model, batch, device)))
+        tries.append(f"{size} {'fits' if fits else 'out of memory'}")
         if fits:
-            return size, tried
+            return size, tries, held
         smaller = [d for d in range(size // 2, 0, -1) if share % d == 0]
         if not smaller:
             raise ConfigError(f"--micro-batch auto: not even 1 sample per process fits in the memory of {device} "
-                              "(tried " + ", ".join(tried) + ")")
+                              "(tried " + ", ".join(tries) + f"; {held})")
         size = smaller[0]
 
 
-def _fits(cfg: TrainConfig, job: Workload, batch, device: torch.device) -> bool:
+def _fits(cfg: TrainConfig, job: Workload, model: torch.nn.Module, batch, device: torch.device) -> bool:
     """Whether one training step of `batch` runs out of memory: forward, backward and the optimizer's state
     stand-ins (and DPO's reference copy's); the model, its gradients and buffers and the random numbers as they were."""
-    model = job.model
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     was_training, kept = model.training, []
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -24,14 +24,14 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, TorchDynamoPlugin, set_seed
 
 from .. import patches
-from ..config import ConfigError, TrainConfig, first_line
+from ..config import ConfigError, TrainConfig
 from ..data import augment as augmentation
 from ..data.datasets import steps_per_epoch
 from ..data.loaders import build_loaders, dataloader_config, on_device
 from ..distributed import engines, processes
 from ..distributed.processes import Group
 from ..distributed.watchdog import Idle
-from ..language import adapters, preference
+from ..language import adapters, preference, pretrained
 from ..outputs import checkpoints, moving, trackers
 from ..outputs.checkpoints import BEST, Checkpoints
 from ..outputs.progress import Progress, engine_name
@@ -165,25 +165,6 @@ class _Origin:
     notes: list[str]  # checkpoints --resume auto skipped, and why
 
 
-def _gradient_checkpointing(model) -> None:
-    """--gradient-checkpointing through a transformers model's own switch, non-reentrant: the reentrant form
-    recomputes under DDP's hooks a second time and needs inputs that require gradients (frozen embeddings,
-    LoRA). A module of one's own has no switch: it calls torch.utils.checkpoint in its forward."""
-    # transformers 5 renamed the switch (the old name warns); earlier versions have only the old one.
-    if hasattr(model, "activation_checkpointing_enable"):
-        enable = lambda: model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        enable = lambda: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} has no gradient_checkpointing_enable "
-                          "(transformers models have); in a module of your own, call torch.utils.checkpoint."
-                          "checkpoint(block, x, use_reentrant=False) in its forward instead")
-    try:
-        enable()
-    except ValueError as e:  # a transformers model that does not support it says so
-        raise ConfigError(f"--gradient-checkpointing: {first_line(e)}") from None
-
-
 def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     """Processes, the Accelerator, the pieces checked on one sample, `prepare`, the state (from a
     checkpoint when resuming), and only then the run folder: a failed start leaves nothing behind."""
@@ -194,15 +175,15 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     world = group.state.num_processes
     origin, given = _origin(cfg, job, group), cfg
     # Before the Accelerator: how DDP wraps the model depends on what the first samples show.
-    cfg, checked, batch_notes = _shaped(cfg, job, group, origin)
+    cfg, checked, said = _shaped(cfg, job, group, origin)
     # DDP fails at the second step when a parameter gets no gradient, unless it looks for such parameters
     # after every backward pass (a cost): asked for only when the first samples leave some unused.
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and world > 1 else []
     regional = cfg.compile and group.engine == "DDP" and bool(repeated_blocks(job.model))
     accelerator = accelerator_for(cfg, group, origin.folder, ddp, compile_whole=not regional)
-    model, scoring, augment = _pieces(cfg, job, accelerator, group.engine, origin, checked)
+    model, augment = _pieces(cfg, job, accelerator, group.engine, checked)
     if cfg.gradient_checkpointing:
-        _gradient_checkpointing(model)
+        pretrained.gradient_checkpointing(model)
     model, tuning = _starting_weights(cfg, model, origin.resumed, group.engine, job)  # --init-from, then --lora
     if origin.resumed:
         checkpoints.check_model(origin.resume, origin.resumed, model)
@@ -211,14 +192,15 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     # Compared (and made equal, with a note) before `prepare`, whose DDP wrapper would silently copy
     # rank 0's weights over a seeding mistake.
     notes = processes.same_initial_weights(accelerator, model) + _reference(cfg, job, model, origin.resumed, accelerator)
-    notes += _notes(checked, model, world, group.engine)
-    notes += _device_notes(accelerator) + batch_notes
+    notes += _notes(checked, model, world, group.engine) + _device_notes(accelerator)
     if cfg.sync_bn:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     _freeze(cfg, model, tuning)  # before the groups and prepare
-    notes += tuning.notes + ([f"--compile: {compile_blocks(model)} repeated blocks compiled in place"] if regional else [])
+    cfg, checked, said = _sized(cfg, job, model, group, accelerator, checked, said)  # --micro-batch auto: tried now
+    scoring = _scoring(cfg, checked, augment)
+    notes += said + tuning.notes + ([f"--compile: {compile_blocks(model)} repeated blocks compiled in place"] if regional else [])
     frozen = adapters.frozen_digest(model)
     if origin.resumed and origin.resumed.get("frozen"):
         adapters.check_frozen(origin.resume, origin.resumed["frozen"], model)
@@ -245,15 +227,26 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     return r
 
 
-def _shaped(cfg: TrainConfig, job: Workload, group: Group, origin: _Origin) -> tuple[TrainConfig, Checked, list[str]]:
-    """The first-sample check on a process's micro-batch, once --micro-batch has set the accumulation (it tries sizes
-    after the samples are known to fit the model: a misfit is one line, not an out-of-memory search); with what the
-    start line says of the micro-batch."""
-    world = group.state.num_processes
+def _shaped(cfg: TrainConfig, job: Workload, group: Group, origin: _Origin) -> tuple[TrainConfig, Checked, list[str] | None]:
+    """The objective's pieces and the first-sample check on a process's micro-batch, once --micro-batch N has set the
+    accumulation; with what the start line says of the micro-batch, None while `auto` has sizes to try (`_sized`)."""
     preference.objective(cfg, job)  # --objective dpo: its forward, loss, metrics and collate
-    checked = _checked(cfg, job, group.engine, world)
-    cfg, said = micro_batch.settle(cfg, job, group, origin.resumed)
-    return cfg, (_checked(cfg, job, group.engine, world) if said else checked), said
+    settled = micro_batch.given(cfg, group, origin.resumed)
+    cfg, said = settled or (cfg, None)
+    return cfg, _checked(cfg, job, group.engine, group.state.num_processes), said
+
+
+def _sized(cfg: TrainConfig, job: Workload, model, group: Group, accelerator: Accelerator, checked: Checked,
+           said: list[str] | None) -> tuple[TrainConfig, Checked, list[str]]:
+    """--micro-batch auto (`said` None): the largest size that fits, tried on `model` as it will train (its starting
+    weights, adapters, frozen parameters, gradient checkpointing), the accumulation set, and the first samples checked
+    again on that micro-batch (they were known to fit the model before: a misfit is one line, not an out-of-memory
+    search)."""
+    if said is not None:
+        return cfg, checked, said
+    cfg, said = micro_batch.tried(cfg, job, model, group)
+    accelerator.gradient_accumulation_steps = cfg.grad_accum
+    return cfg, _checked(cfg, job, group.engine, group.state.num_processes), said
 
 
 def _checked(cfg: TrainConfig, job: Workload, engine: str, world: int) -> Checked:
@@ -410,9 +403,8 @@ def _per_micro_batch(checked: Checked) -> Checked:
     return replace(checked, loss=partial(model_loss, items=None), items=False, loss_per="position")
 
 
-def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: str, origin: _Origin,
-            checked: Checked) -> tuple:
-    """The model as the user built it, how it is scored, and the augmentation (checked on the first samples)."""
+def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: str, checked: Checked) -> tuple:
+    """The model as the user built it and the augmentation (checked on the first samples)."""
     set_seed(cfg.seed)  # dropout and every other random number of the run start from --seed
     model, data = job.model, job.data
     processes.check_same_data(accelerator, data)
@@ -424,9 +416,13 @@ def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: s
                           "collate function")
     if cfg.ema and engine != "DDP":
         raise ConfigError(f"--ema needs the whole model on every process; with {engine} each holds a shard")
-    loss_fn = training_loss(cfg, checked, augment)
-    scoring = Scoring(loss_fn, training_loss(cfg, checked) if checked.eval_loss else None, checked.metrics, checked)
-    return model, scoring, augment
+    return model, augment
+
+
+def _scoring(cfg: TrainConfig, checked: Checked, augment) -> Scoring:
+    """How batches are scored, from what the first samples of a micro-batch showed."""
+    return Scoring(training_loss(cfg, checked, augment), training_loss(cfg, checked) if checked.eval_loss else None,
+                   checked.metrics, checked)
 
 
 def _notes(checked: Checked, model, world: int, engine: str) -> list[str]:

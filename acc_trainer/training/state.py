@@ -135,7 +135,7 @@ class IntervalLosses:
             local = accelerator.pad_across_processes(local, dim=0)
         everything = local[None].tolist() if world == 1 else accelerator.gather(local[None]).tolist()
         return {"first_step": self.first_step, "count": max(counts), "counts": counts,
-                "values": [rows[:n] for rows, n in zip(everything, counts)], "part_names": self.part_names,
+                "values": [rows[:n] for rows, n in zip(everything, counts, strict=True)], "part_names": self.part_names,
                 "items": self.counted}
 
     def load(self, state: dict, process_index: int, world: int | None = None) -> None:

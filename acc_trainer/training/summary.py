@@ -230,7 +230,7 @@ def _tables(r: Run) -> dict:
     names = [str(c) for c in classes] if len(classes) == len(tables["per_class"]) else \
         [str(i) for i in range(len(tables["per_class"]))]
     return {"classes": names, "confusion_matrix": tables["confusion_matrix"],
-            "per_class": dict(zip(names, tables["per_class"]))}
+            "per_class": dict(zip(names, tables["per_class"], strict=True))}
 
 
 def _describe_augment(augment, cfg: TrainConfig) -> str:

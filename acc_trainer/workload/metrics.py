@@ -154,7 +154,7 @@ class Confusion(Stateful):
         table = per_class(sums)
         return {"confusion_matrix": sums.long().tolist(),
                 "per_class": [{"precision": p, "recall": r, "f1": f, "support": int(s)} for p, r, f, s in
-                              zip(*(table[k].tolist() for k in ("precision", "recall", "f1", "support")))]}
+                              zip(*(table[k].tolist() for k in ("precision", "recall", "f1", "support")), strict=True)]}
 
 
 class AUROC(Stateful):
