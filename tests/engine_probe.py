@@ -8,7 +8,9 @@ another run's checkpoint (written under another engine or number of processes).
 
 Each run's folder is OUT/NAME; `@CHECKPOINT` resumes from that checkpoint folder. JOB `dpo:DPO_JOB` is
 tests/dpo_probe.py's DPO job of that name (preference pairs, --objective dpo), in the same launch (no @CHECKPOINT);
-JOB `wrap:WRAP` the full job under one of WRAPS' auto-wrap policies (FSDP2).
+JOB `wrap:WRAP` the full job under one of WRAPS' auto-wrap policies (FSDP2); JOB `refused:JOB` resumes from a
+checkpoint a test has changed (its digests then removed) with --accept-unverified, and is to stop in one line, which
+goes into OUT/NAME/refused.txt.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def run(out: Path, specs: list[str]) -> None:
             _under_policy(out / name, WRAPS[job.removeprefix("wrap:")])
             continue
         job, _, resume = job.partition("@")
+        if job.startswith("refused:"):
+            _refused(out / name, {**COMMON, **JOBS[job.removeprefix("refused:")], "resume": resume,
+                                  "accept_unverified": True})
+            continue
         options = {**COMMON, **JOBS[job]}
         if "prompts" in options:
             options["tokenizer"] = tokenizer()
@@ -84,14 +90,19 @@ def _under_policy(folder: Path, config: dict) -> None:
     import os
     from unittest import mock
 
+    with mock.patch.dict(os.environ, config):  # the launch's own values back afterwards
+        _refused(folder, COMMON)
+
+
+def _refused(folder: Path, options: dict) -> None:
+    """The run of OPTIONS in FOLDER; the error it stops with in FOLDER/refused.txt."""
     from accelerate.state import AcceleratorState, GradientState
 
     import acc_trainer
     from acc_trainer.config import ConfigError
 
     try:
-        with mock.patch.dict(os.environ, config):  # the launch's own values back afterwards
-            acc_trainer.fit(base_model(), documents(72, 0), documents(16, 1), output_dir=str(folder), **COMMON)
+        acc_trainer.fit(base_model(), documents(72, 0), documents(16, 1), output_dir=str(folder), **options)
     except ConfigError as e:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "refused.txt").write_text(str(e))

@@ -278,6 +278,34 @@ def test_a_checkpoint_of_another_run_is_refused(saved_run, train_in_process):
         train_in_process(model="lenet", train_size=256, eval_size=64, batch_size=32, epochs=1, resume=str(checkpoint))
 
 
+def test_random_states_missing_part_of_the_numpy_state_are_refused(saved_run, tmp_path):
+    """A random-states file whose NumPy state lacks its last entries (the position in the key, the cached Gaussian)
+    cannot have restored NumPy's generator: the check after loading refuses it, though the entries it has match."""
+    import random
+
+    import numpy as np
+    from accelerate.utils import load as load_weights_only
+
+    from acc_trainer.outputs.checkpoints import check_random_states, restore_random_states
+
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(saved_run / "checkpoints" / "step-00000002", checkpoint)
+    one = type("One", (), {"process_index": 0, "device": "cpu", "gather": staticmethod(lambda flags: flags)})()
+    before = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        restore_random_states(checkpoint, 0)  # as load_state leaves them
+        check_random_states(one, checkpoint)  # the whole file: restored
+        states = load_weights_only(checkpoint / "random_states_0.pkl")
+        torch.save({**states, "numpy_random_seed": states["numpy_random_seed"][:2]}, checkpoint / "random_states_0.pkl")
+        with pytest.raises(ConfigError, match=r"the random number generator states of process 0 cannot be restored "
+                                              r"\(random_states_0.pkl: zip\(\) argument 2 is shorter than argument 1\)"):
+            check_random_states(one, checkpoint)
+    finally:
+        random.setstate(before[0])
+        np.random.set_state(before[1])
+        torch.set_rng_state(before[2])
+
+
 def test_the_same_command_starts_a_run_and_continues_it(tmp_path, main_in_process):
     """`--resume auto` serves the first attempt and every restart (a cluster's requeue runs one command line): on
     a folder without a checkpoint it starts from the beginning, saying so, over what an attempt stopped before its
@@ -597,3 +625,27 @@ def test_outputs_that_would_be_lost_or_cannot_be_made_are_one_line(saved_run, tm
     assert code == 2 and stderr.count("\n") == 1 and "its folder cannot be made (FileExistsError" in stderr, stderr
     code, _, stderr = main_in_process("predict", saved_run, "--output", tmp_path / "rows.jsonl")
     assert code == 0 and main_in_process("predict", saved_run, "--output", tmp_path / "rows.jsonl")[0] == 0  # replaced
+
+
+def test_consolidate_killed_before_its_folder_is_whole_leaves_none(saved_run, tmp_path, main_in_process, monkeypatch):
+    """`acc-trainer consolidate` puts OUT in place with its SHA256SUMS or not at all: killed while writing the digests
+    (the process ends there, as under kill -9), there is no OUT, where there was a folder without digests (read as
+    unverifiable); run again it writes OUT, which verifies."""
+    from acc_trainer.outputs.checkpoints import damage
+    from acc_trainer.trained import consolidating
+
+    class Killed(BaseException):
+        pass
+
+    def killed(folder, names=None):
+        raise Killed
+
+    checkpoint, out = saved_run / "checkpoints" / "step-00000004", tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(consolidating, "write_sums", killed)
+        with pytest.raises(Killed):
+            consolidating.consolidate(checkpoint, out)
+    assert not out.exists()
+    code, stdout, stderr = main_in_process("consolidate", checkpoint, out)
+    assert code == 0 and stdout.startswith("consolidated ") and stderr == "", stderr
+    assert damage(out) is None and sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "model.safetensors"]

@@ -1,7 +1,8 @@
 """DeepSpeed as one CPU process (accelerate_configs/deepspeed.yaml, --num_processes 1), the one DeepSpeed setup
 Accelerate allows without a GPU: ZeRO-3 (`--zero_stage 3` on the launch line, as a user gives it) ends with whole
 weights that load into a plain model, counts its parameters right and resumes bit for bit; LoRA and --freeze train
-under ZeRO-2 and ZeRO-3 what one plain process trains; the setups that cannot run are one line each.
+under ZeRO-2 and ZeRO-3 what one plain process trains; checkpoints of both consolidate into whole weights; the setups
+that cannot run are one line each.
 
 DeepSpeed's start costs most of a launch (20 s here), so one launch runs every job of this file (this module run as
 a script: `python tests/test_deepspeed.py OUT NAME=JOB[:STAGE][@CHECKPOINT] ...`), and the plain runs they are
@@ -83,7 +84,7 @@ def runs(tmp_path_factory):
     ds, plain = tmp_path_factory.mktemp("deepspeed"), tmp_path_factory.mktemp("plain")
     for folder in (ds, plain):
         save_model(base_model(seed=1), str(folder / PRETRAINED))  # the "pretrained" base the adapters train on
-    specs = ["mlp3=mlp:3", "mlp3_resumed=mlp:3@mlp3/checkpoints/step-00000010", "full3=full:3",
+    specs = ["mlp3=mlp:3", "mlp3_resumed=mlp:3@mlp3/checkpoints/step-00000010", "full3=full:3", "full2=full:2",
              "mlp2=mlp:2", "mlp2_resumed=mlp:2@mlp2/checkpoints/step-00000010",
              "lora3=lora:3", "lora3_resumed=lora:3@lora3/checkpoints/step-00000003", "freeze3=freeze:3",
              "freeze3_resumed=freeze:3@freeze3/checkpoints/step-00000003",
@@ -285,3 +286,22 @@ def test_a_deepspeed_checkpoint_consolidates_into_a_folder_from_pretrained_loads
     cfg = parse_config([*MLP, "--output-dir", str(tmp_path / "elsewhere")])
     with pytest.raises(ConfigError, match=r"under DEEPSPEED, and this run is 2 under DDP: .* `acc-trainer consolidate "):
         read_state(mlp3, cfg, 2, "DDP")
+
+
+def test_a_zero2_checkpoint_consolidates_into_the_runs_final_weights(runs, tmp_path, main_in_process):
+    """ZeRO-2 keeps the weights whole on the module and the optimizer's fp32 copy in partitions, ZeRO-3 both in
+    partitions: a ZeRO-2 checkpoint consolidates too, bit for bit the run's final weights, the tied embedding and head
+    counted once (DeepSpeed's reader gives the tied tensor under both names) as the run counted them."""
+    ds, plain, _ = runs
+    total = summary(ds / "full2")["parameters"]["total"]
+    assert total == summary(plain / "full")["parameters"]["total"]
+    assert largest_difference(weights(ds / "full2"), weights(plain / "full")) <= 1e-5
+    code, stdout, stderr = main_in_process("consolidate", str(ds / "full2" / "checkpoints" / "step-00000006"),
+                                           str(tmp_path / "out"))
+    said = stdout.splitlines()[-1]  # after DeepSpeed's own lines
+    assert code == 0 and said.startswith(f"consolidated {total:,} parameters "), stdout + stderr
+    assert "of the DEEPSPEED checkpoint at step 6" in said
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    state, final = model.state_dict(), weights(ds / "full2")
+    assert all(torch.equal(state[k], final[k]) for k in final)
+    assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -10,6 +10,7 @@ the adapters off) in the same FSDP2 launch. Every run must end where the uninter
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ pytest.importorskip("transformers")
 import engine_probe  # noqa: E402 - after the skips
 from conftest import CONFIGS, REPO, check, launch, one_thread, reset_accelerate  # noqa: E402
 from lm_probe import base_model, documents, pad  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file, save_model  # noqa: E402
 
 JOBS = ("full", "lora", "freeze")
 # In the 1-process and the 2-process FSDP2 runs only: tests/dpo_probe.py's DPO jobs (a frozen copy, the adapters off)
@@ -28,6 +29,7 @@ JOBS = ("full", "lora", "freeze")
 MORE = ["dpo_full=dpo:full", "dpo_lora=dpo:lora", "unfreeze=unfreeze"]
 STEP3 = "checkpoints/step-00000003"
 FSDP = ("--config_file", str(CONFIGS / "fsdp.yaml"))
+LACKING = "model.layers.1.mlp.down_proj.weight"  # the weight left out of a checkpoint that is to be refused
 
 
 def run_probe(out, specs, processes: int = 0, engine=FSDP):
@@ -45,17 +47,24 @@ def run_probe(out, specs, processes: int = 0, engine=FSDP):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"one", "fsdp", "three", "back", "ddp"}: the folders of the 1-process runs, the 2-process FSDP2 runs (NAME,
-    NAME_resumed from its step-3 checkpoint, NAME_from1 from the 1-process run's), the 3-process FSDP2 runs and the
-    1-process runs continuing the 2-process FSDP2 checkpoints, and 2 DDP processes (NAME_resumed from their own
-    checkpoint, NAME continuing the 2-process FSDP2 one)."""
+    """{"one", "fsdp", "three", "back", "ddp", "lacking"}: the folders of the 1-process runs, the 2-process FSDP2 runs
+    (NAME, NAME_resumed from its step-3 checkpoint, NAME_from1 from the 1-process run's), the 3-process FSDP2 runs and
+    the 1-process runs continuing the 2-process FSDP2 checkpoints, and 2 DDP processes (NAME_resumed from their own
+    checkpoint, NAME continuing the 2-process FSDP2 one); "lacking": a copy of the 1-process full run's step-3
+    checkpoint without LACKING, which fsdp/full_lacking is to refuse."""
     folders = {name: tmp_path_factory.mktemp(name) for name in ("one", "fsdp", "three", "back", "ddp")}
     one, fsdp = folders["one"], folders["fsdp"]
     run_probe(one, [f"{job}={job}" for job in JOBS] + MORE)
+    lacking = folders["lacking"] = tmp_path_factory.mktemp("lacking") / "step-00000003"
+    shutil.copytree(one / "full" / STEP3, lacking)
+    weights_left = load_file(lacking / "model.safetensors")
+    del weights_left[LACKING]
+    save_file(weights_left, lacking / "model.safetensors", metadata={"format": "pt"})
+    (lacking / "SHA256SUMS").unlink()  # its digests no longer match: continued with --accept-unverified
     wraps = [f"wrap_{wrap}=wrap:{wrap}" for wrap in engine_probe.WRAPS]  # first: the jobs after them hold what they leave
     run_probe(fsdp, wraps + [f"{job}={job}" for job in JOBS] + [f"{job}_resumed={job}@{fsdp / job / STEP3}" for job in JOBS]
-              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE + ["dpo_whole=dpo:lora_whole"],
-              processes=2)
+              + [f"{job}_from1={job}@{one / job / STEP3}" for job in JOBS] + MORE + ["dpo_whole=dpo:lora_whole"]
+              + [f"full_lacking=refused:full@{lacking}"], processes=2)
     run_probe(folders["three"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=3)
     run_probe(folders["back"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS])
     ddp = folders["ddp"]
@@ -191,6 +200,65 @@ def test_checkpoints_move_between_engines_and_numbers_of_processes(runs):
         assert json.loads((runs["back"] / job / "summary.json").read_text())["distributed_type"] == "NO"
 
 
+def test_a_checkpoint_lacking_a_weight_is_refused_under_another_engine(runs):
+    """A 1-process checkpoint without one of the model's weights (its digests removed, continued with
+    --accept-unverified), continued on 2 FSDP2 processes: refused in one line naming the weight. torch 2.14's
+    set_model_state_dict reports nothing missing there, and the run trained on with the weight's initial values."""
+    refused = (runs["fsdp"] / "full_lacking" / "refused.txt").read_text()
+    assert f"checkpoint {runs['lacking']} lacks 1 of the model's weights: {LACKING}" in refused
+    assert "\n" not in refused and not (runs["fsdp"] / "full_lacking" / "model.safetensors").exists()
+
+
+def test_a_compiled_model_continues_whole_weights_named_either_way(tmp_path):
+    """Under FSDP2 with --compile the model moving.py loads into is torch.compile's wrapper (its names
+    `_orig_mod.model...`), and a compiled DDP run's model.safetensors names the weights so too: whichever of the two
+    is compiled, the weights and the optimizer's momentum arrive (a compiled checkpoint's weights were left out
+    without a word), and a weight the checkpoint lacks is named as the model is built."""
+    from acc_trainer.config import ConfigError
+    from acc_trainer.outputs.moving import _load_model, _load_optimizer
+
+    trained = base_model(seed=1)
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.1, momentum=0.9)
+    trained(**pad(documents(4, 0))).loss.backward()
+    optimizer.step()
+    for naming, saved in (("plain", trained), ("compiled", torch.compile(trained))):
+        checkpoint = tmp_path / naming
+        checkpoint.mkdir()
+        save_model(saved, str(checkpoint / "model.safetensors"))  # the tied weight once, as Accelerate writes it
+        torch.save(optimizer.state_dict(), checkpoint / "optimizer.bin")  # numbered in the parameters' order, as DDP's
+        for model in (torch.compile(base_model()), base_model()):
+            moved = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            _load_model(model, checkpoint, partial=False)
+            _load_optimizer(model, moved, checkpoint)
+            for mine, theirs in zip(model.parameters(), trained.parameters(), strict=True):
+                assert torch.equal(mine, theirs), (naming, type(model))
+                assert torch.equal(moved.state[mine]["momentum_buffer"], optimizer.state[theirs]["momentum_buffer"])
+
+        left = {name: tensor for name, tensor in load_file(checkpoint / "model.safetensors").items()
+                if not name.endswith(LACKING)}
+        save_file(left, checkpoint / "model.safetensors")
+        for model in (torch.compile(base_model()), base_model()):
+            with pytest.raises(ConfigError) as refused:
+                _load_model(model, checkpoint, partial=False)
+            assert str(refused.value) == f"checkpoint {checkpoint} lacks 1 of the model's weights: {LACKING}"
+
+
+def test_a_compiled_model_continues_a_sharded_checkpoint_of_what_trains(runs):
+    """The 2-process FSDP2 checkpoint of --freeze's run (the frozen embedding, tied to the head, and first layer not in
+    it) continued by a compiled model on one process: what trains is the checkpoint's, the frozen weights the model's
+    own (the frozen names were compared with their `_orig_mod.`, and torch asked the checkpoint for the head)."""
+    from acc_trainer.outputs.moving import _load_model, whole_weights
+
+    checkpoint = runs["fsdp"] / "freeze" / STEP3
+    model, built = torch.compile(base_model()), base_model().state_dict()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(not ("embed_tokens" in name or "layers.0." in name))
+    _load_model(model, checkpoint, partial=True)
+    state, saved = model._orig_mod.state_dict(), whole_weights(checkpoint)  # the names as built
+    assert saved and all(torch.equal(state[k], saved[k]) for k in saved)
+    assert all(torch.equal(state[k], built[k]) for k in state if k not in saved)
+
+
 def test_consolidate_writes_any_checkpoint_as_a_folder_from_pretrained_loads(runs, tmp_path, main_in_process):
     from transformers import AutoModelForCausalLM
 
@@ -200,7 +268,9 @@ def test_consolidate_writes_any_checkpoint_as_a_folder_from_pretrained_loads(run
     for engine, final in (("fsdp", fsdp / "full"), ("one", one / "full")):
         checkpoint, out = final / "checkpoints" / "step-00000006", tmp_path / engine
         code, stdout, stderr = main_in_process("consolidate", str(checkpoint), str(out))
-        assert code == 0 and stdout.startswith("consolidated ") and stderr == ""
+        assert code == 0 and stderr == ""
+        # The tied embedding and head counted once, as the run counted them (FSDP's shards hold the tensor twice).
+        assert stdout.startswith(f"consolidated {summary(final)['parameters']['total']:,} parameters ")
         assert stdout.split(": ")[-1].split() == ["config.json,", "generation_config.json,", "model.safetensors"]
         model = AutoModelForCausalLM.from_pretrained(out)
         state, trained = model.state_dict(), weights(final)

@@ -352,6 +352,8 @@ def reading(path: Path):
             # torch warns that Accelerate's own files use pickle protocol 4: nothing the user can act on.
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             yield
+    except ConfigError:  # a check of the checkpoint's own (outputs/moving.py) says what is wrong already
+        raise
     except Exception as e:
         raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first_line(e)})") from None
 

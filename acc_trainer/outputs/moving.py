@@ -18,6 +18,7 @@ DeepSpeed keeps its own format (ZeRO partitions of flattened tensors): it contin
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from ..config import ConfigError
 SHARDED_MODEL, SHARDED_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"  # FSDP's distributed checkpoint
 FULL_MODEL_FILES = ("model.safetensors", "pytorch_model_fsdp.bin")  # DDP's; FSDP's with FULL_STATE_DICT
 DEEPSPEED_MODEL = "pytorch_model"  # DeepSpeed's checkpoint tag under Accelerate: its folder in the checkpoint
+COMPILED = "_orig_mod"  # torch.compile's wrapper: the module it holds, a segment of its parameters' names
 
 
 def crosses_engines(saved_engine: str, engine: str) -> bool:
@@ -69,20 +71,38 @@ def _load_model(model, path: Path, partial: bool) -> None:
         options = StateDictOptions(ignore_frozen_params=partial, strict=not partial)
         state = get_model_state_dict(model, options=options)
         if partial:  # a frozen tied weight's other name too (torch drops the first name only), as it was saved
-            frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            frozen = {_unwrapped_name(name) for name, p in model.named_parameters(remove_duplicate=False)
+                      if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
         state = {"model": state}
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / SHARDED_MODEL)), no_dist=_one_process())
         set_model_state_dict(model, state["model"], options=options)
         return
-    whole = _whole_file(path, FULL_MODEL_FILES)
-    missing, _ = set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, strict=False))
-    # A tied weight is held once (under one of its names); a partial checkpoint leaves the frozen ones out.
-    held = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in whole}
-    lacking = [name for name, p in model.named_parameters(remove_duplicate=False)
-               if name in missing and id(p) not in held and (p.requires_grad or not partial)]
+    whole = {_unwrapped_name(name): tensor for name, tensor in _whole_file(path, FULL_MODEL_FILES).items()}
+    lacking = _lacking(model, whole.keys(), partial)
     if lacking:
-        raise ConfigError(f"checkpoint {path} lacks {len(lacking)} of the model's weights (e.g. {lacking[0]})")
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        raise ConfigError(f"checkpoint {path} lacks {len(lacking)} of the model's weights: {', '.join(lacking[:3])}{more}")
+    # Not strict: a tied weight is held once and a partial checkpoint leaves the frozen ones out. What is missing is
+    # found above: torch 2.14 reports nothing missing here (a weight left out keeps the values the model was built with).
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _lacking(model, held: Iterable[str], partial: bool) -> list[str]:
+    """The names in the model's state dict that a checkpoint holding `held` (names without `_orig_mod.`) has nothing
+    for: a tied weight is held under either of its names; in a `partial` checkpoint the frozen parameters are not."""
+    held = set(held)
+    own = {_unwrapped_name(name): tensor for name, tensor in model.state_dict(keep_vars=True).items()}
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad} if partial else set()
+    loaded = {id(tensor) for name, tensor in own.items() if name in held}
+    return [name for name, tensor in own.items() if id(tensor) not in loaded and id(tensor) not in frozen]
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name without torch.compile's `_orig_mod` segments (a compiled model's, or a compiled block's:
+    `_orig_mod.model.layers.0.mlp.up_proj.weight`, `model.layers.0._orig_mod.mlp.up_proj.weight`), as torch's
+    state-dict functions name it and as a checkpoint of an uncompiled model holds it."""
+    return ".".join(part for part in name.split(".") if part != COMPILED)
 
 
 def _load_optimizer(model, optimizer, path: Path) -> None:
@@ -103,7 +123,7 @@ def _load_optimizer(model, optimizer, path: Path) -> None:
 def _by_name(model, optimizer, saved: dict) -> dict:
     """A torch optimizer state dict (tensors numbered in the order of the parameters in its groups) keyed by the
     parameters' names instead: the numbers are this run's optimizer's order, which the same options build."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): _unwrapped_name(name) for name, p in model.named_parameters()}  # as torch's functions name them
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     if len(order) != sum(len(g["params"]) for g in saved["param_groups"]):
         raise ConfigError("the checkpoint's optimizer holds another number of parameters than this run's")

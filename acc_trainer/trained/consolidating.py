@@ -13,6 +13,7 @@ were in training (bit for bit), with that config and the run's tokenizer beside 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -47,7 +48,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, accept_un
                               f"'{checkpoint}')" if adapter else "the run folder's final model.safetensors is whole"))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty folder: nothing is written over it")
-    weights = _unshared(whole_weights(checkpoint))
+    whole = whole_weights(checkpoint)
+    parameters = _parameter_count(state, whole)
+    weights = _unshared(whole)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -60,12 +63,12 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, accept_un
     for file in extra:
         shutil.copy2(file, tmp / file.name)
     names = sorted(p.name for p in tmp.iterdir())
+    write_sums(tmp, names)  # before the folder is in place: a kill in between leaves no folder that reads as unverifiable
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)
-    write_sums(out, names)
     return {"files": names, "tensors": len(weights), "engine": state.get("engine", "DDP"), "step": state.get("step"),
-            "parameters": sum(t.numel() for t in weights.values())}
+            "parameters": parameters}
 
 
 def _trainer_state(checkpoint: Path) -> dict:
@@ -76,6 +79,16 @@ def _trainer_state(checkpoint: Path) -> dict:
         return json.loads((checkpoint / STATE_FILE).read_text())
     except ValueError as e:
         raise ConfigError(f"checkpoint {checkpoint / STATE_FILE} is corrupt ({e})") from None
+
+
+def _parameter_count(state: dict, weights: dict) -> int:
+    """The model's parameters, a tied weight once: from the shapes the checkpoint recorded of the model's parameters
+    (FSDP's shards name a tied tensor twice, read as two tensors), or, in a checkpoint from before those were recorded,
+    from the distinct tensors read (DeepSpeed's reader gives a tied one under both names)."""
+    shapes = state.get("parameters")
+    if shapes:
+        return sum(math.prod(shape) for shape in shapes.values())
+    return sum({id(t): t.numel() for t in weights.values()}.values())
 
 
 def _unshared(weights: dict) -> dict:
