@@ -195,8 +195,8 @@ class TrainConfig:
     optimizer_args: dict | None = _opt(None, "keyword arguments for --optimizer, a YAML/JSON mapping (lr and the groups "
                                              "are the trainer's)", metavar="MAPPING")
     fused_optimizer: bool = _opt(False, "sgd, adam and adamw under DDP or on one process: torch's fused implementation "
-                                        "(one kernel over every parameter) instead of its foreach one (the default, the "
-                                        "same update as torch's plain loop); on a CPU it breaks the 1e-5 guarantee "
+                                        "(one kernel over every parameter) instead of its default (foreach on a GPU, its "
+                                        "loop over parameters on a CPU); on a CPU it breaks the 1e-5 guarantee "
                                         "between process counts (docs/performance.md)")
     lr: float = _opt(1e-3, "learning rate (before --scale-lr)")
     momentum: float = _opt(0.9, "SGD momentum")

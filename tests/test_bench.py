@@ -7,6 +7,7 @@ Performance section quotes a real run.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -72,6 +73,14 @@ def test_bench_runs_every_variant_and_writes_its_files(tmp_path, main_in_process
             and f" | {one:,.0f} | {one / measured['raw@1'][0]:.3f} | {one / measured['ceiling@1'][0]:.2f} | 1.00 |" in table)
     assert f" | {two:,.0f} | {two / measured['raw-ddp@2'][0]:.3f} | - | {two / one:.2f} | " in table
     assert "| raw-ddp | 2 |" in table and "| ceiling | 1 |" in table
+    # Each 1-process loop's own cost per step: its measured step beyond the ceiling's, printed and in bench.md.
+    line = next(line for line in table.splitlines() if line.startswith("Host cost per step, 1 process"))
+    said = {name: int(us.replace(",", "")) for name, us in re.findall(r"(acc_trainer|\(raw\)) (-?[\d,]+) us", line)}
+    ceiling_step = 32 / measured["ceiling@1"][0]
+    assert said.keys() == {"acc_trainer", "(raw)"}
+    assert abs(said["acc_trainer"] - 1e6 * (32 / one - ceiling_step)) <= 1
+    assert abs(said["(raw)"] - 1e6 * (32 / measured["raw@1"][0] - ceiling_step)) <= 1
+    assert "Host cost per step, 1 process" in stdout
     assert "| data pipeline (loader alone, 1 process) | samples/s | vs batched |" in table
     for pipeline, speed in report["pipelines"].items():
         assert f"| {pipeline} | {speed:,.0f} |" in table and f"data pipeline {pipeline:>10}: {speed:>10,.0f} samples/s" in stdout

@@ -118,10 +118,10 @@ def test_unwrapping_imports_deepspeed_only_once_something_has(accelerate_as_inst
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
-def test_the_built_in_optimizers_run_foreach_and_give_torchs_own_update(tmp_path, name):
-    """A built-in optimizer runs torch's foreach implementation: bit for bit the update of torch's own optimizer as a
-    user builds it (on a CPU torch's default is its loop over parameters); --fused-optimizer its fused kernel, the
-    same to rounding on one process."""
+def test_the_built_in_optimizers_give_torchs_own_update(tmp_path, name):
+    """A built-in optimizer gives bit for bit the update of torch's own optimizer as a user builds it (on a CPU torch's
+    default, its loop over parameters; on a GPU foreach, the same update); --fused-optimizer its fused kernel, the same
+    to rounding on one process."""
     from safetensors.torch import load_file
 
     import acc_trainer

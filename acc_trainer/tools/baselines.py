@@ -49,8 +49,8 @@ def run(loop: str, cfg: TrainConfig, steps: int, warmup: int = 0) -> dict:
     torch.manual_seed(cfg.seed)
     data = build_data(cfg)
     model = wrap_model(build_model(cfg, data).to(device), loop, cfg, device)
-    # The trainer's optimizer implementation (foreach; fused with --fused-optimizer) in every loop: a tutorial's loop
-    # gets foreach from torch on a GPU, and on a CPU foreach is torch's loop over parameters bit for bit.
+    # The trainer's optimizer implementation in every loop (fused with --fused-optimizer, else torch's default as a
+    # tutorial's loop gets it: foreach on a GPU, its loop over parameters on a CPU).
     optimizer = build_optimizer(cfg, model.parameters(), cfg.lr, fused=cfg.fused_optimizer)
     if loop == "ceiling":
         batches = batches_on_device(data.train, cfg, device, steps)

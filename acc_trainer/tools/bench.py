@@ -380,7 +380,27 @@ def summarise(runs: dict[str, list[dict]], names: list[tuple[str, int]], warmup:
                                       if baseline and ours else None)
         r["vs_ceiling"] = r["samples_per_s"] / ceiling["samples_per_s"] if ceiling and r["processes"] == 1 else None
         r["data_share"] = r["data_time_s"] / r["step_time_s"]
+        # The loop's own cost per step: its step beyond the ceiling's, the model and optimizer alone on batches made
+        # before the clock (the loader, accumulation, losses kept, logging; in a whole process also each epoch's start
+        # and evaluation, checkpoints and the display).
+        timed = ceiling and r["processes"] == 1 and r["implementation"] != "ceiling"
+        r["host_us"] = 1e6 * (r["step_time_s"] - ceiling["step_time_s"]) if timed else None
+        if timed and "whole_samples_per_s" in r:
+            batch = r["samples_per_s"] * r["step_time_s"]
+            r["whole_host_us"] = 1e6 * batch * (1 / r["whole_samples_per_s"] - 1 / ceiling["whole_samples_per_s"])
     return rows
+
+
+def host_cost(rows: list[dict]) -> str:
+    """One line: each loop's own cost per step beyond the ceiling's (1 process), timed steps and whole processes."""
+    costs = [r for r in rows if r.get("host_us") is not None]
+    if not costs:
+        return ""
+    said = [f"{r['implementation'] if r['implementation'] in PIPELINE else 'hand-written (' + r['implementation'] + ')'} "
+            f"{r['host_us']:,.0f} us" + (f" ({r['whole_host_us']:,.0f} as a whole process)" if "whole_host_us" in r else "")
+            for r in costs]
+    return ("Host cost per step, 1 process (the step's time beyond the ceiling's: the loop's own work, its loader "
+            "included): " + ", ".join(said) + ".")
 
 
 def markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, pipelines: dict | None = None,
@@ -415,6 +435,8 @@ def markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, pipelines: 
               "(with --compile, the compilation). MFU: model FLOPs per sample (acc_trainer's count, the same model "
               f"in every row) x samples/s over {peak_note or 'the peak'}. Epoch: step time x {epoch} steps of a "
               f"{cfg.batch_size}-sample batch.", ""]
+    if host_cost(rows):
+        lines += [host_cost(rows), ""]
     if "whole_samples_per_s" in rows[0]:
         lines += [f"Whole process, as a user times it: each variant run at {args.steps} and at {2 * args.steps} steps, "
                   "samples/s from the difference of the two wall times (start-up, imports and the first "

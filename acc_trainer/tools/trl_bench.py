@@ -230,6 +230,8 @@ def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: s
     import torch
     from datasets import Dataset
 
+    from ..workload.optim import implementation
+
     model, train, tokenizer = workload(cfg)
     reference = copy.deepcopy(model).eval().requires_grad_(False) if mode == "dpo" else None  # before TRL patches it
     counter = Counter(model, mode, warmup, steps)
@@ -245,8 +247,9 @@ def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: s
         dataloader_num_workers=cfg.num_workers or 0, dataloader_drop_last=True,  # acc_trainer's batches are whole
         bf16=cfg.mixed_precision == "bf16", fp16=cfg.mixed_precision == "fp16", max_length=cfg.max_length,
         gradient_checkpointing=False)  # TRL's configs turn it on by default; acc_trainer keeps the activations
-    # AdamW as acc_trainer runs it: fused with --fused-optimizer (TRL's own default, adamw_torch_fused), else foreach
-    same_adamw = None if cfg.fused_optimizer else (torch.optim.AdamW, {"lr": cfg.lr, "foreach": True})
+    # AdamW as acc_trainer runs it: fused with --fused-optimizer (TRL's own default, adamw_torch_fused), else foreach on
+    # a GPU and torch's default on a CPU (build_optimizer)
+    same_adamw = None if cfg.fused_optimizer else (torch.optim.AdamW, {"lr": cfg.lr, **implementation(cfg)})
     if mode == "sft":
         from trl import SFTConfig, SFTTrainer
 

@@ -13,9 +13,11 @@ from ..config import ConfigError, TrainConfig
 def build_optimizer(cfg: TrainConfig, params, lr: float, factory=None, fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer over `params` (a list of parameter groups, see param_groups): a built-in name, an
     import path to a class taking groups (with --optimizer-args), or `factory(groups)` from fit(). A built-in one
-    runs torch's foreach implementation (a few kernels over every parameter: on a GPU torch's default, on a CPU the
-    same update as torch's loop over parameters, bit for bit), or with `fused` its fused one (one kernel; the same
-    update up to rounding, which the caller asks for where the engine keeps plain parameters: DDP, one process)."""
+    runs, on a GPU, torch's foreach implementation (a few kernels over every parameter: torch's default there, asked
+    for by name so that FSDP2's sharded parameters get it too) or with `fused` its fused one (one kernel; the same
+    update up to rounding, which the caller asks for where the engine keeps plain parameters: DDP, one process); on a
+    CPU torch's default, its loop over parameters (the same update as foreach, bit for bit, without foreach's
+    grouping of the tensors by device and type at every step: 8 us of a small model's 150 us step)."""
     if factory is None and cfg.optimizer not in ("sgd", "adam", "adamw"):
         from .components import call_factory, import_object
 
@@ -28,18 +30,21 @@ def build_optimizer(cfg: TrainConfig, params, lr: float, factory=None, fused: bo
             raise ConfigError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
     elif cfg.optimizer == "sgd":
         optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                                    weight_decay=cfg.weight_decay, **_implementation(fused))
+                                    weight_decay=cfg.weight_decay, **implementation(cfg, fused))
     elif cfg.optimizer == "adam":
-        optimizer = torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, **_implementation(fused))
+        optimizer = torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, **implementation(cfg, fused))
     else:
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **_implementation(fused))
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **implementation(cfg, fused))
     for group in optimizer.param_groups:  # each group's share of the optimizer's own learning rate
         group["lr"] = group["lr"] * group.get("lr_mult", 1.0)
     return optimizer
 
 
-def _implementation(fused: bool) -> dict:
-    return {"fused": True} if fused else {"foreach": True}
+def implementation(cfg: TrainConfig, fused: bool = False) -> dict:
+    """The keyword that picks torch's implementation of a built-in optimizer for this run (build_optimizer)."""
+    if fused:
+        return {"fused": True}
+    return {"foreach": True} if torch.cuda.is_available() and not cfg.cpu else {}
 
 
 def param_groups(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> list[dict]:
