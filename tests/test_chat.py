@@ -1,8 +1,9 @@
 """Chat, instruction and text data as users have them (docs/language-models.md#chat-and-instruction-data): the
 labels equal those TRL's SFTTrainer builds, token for token (completion-only loss for prompt/completion data,
 assistant-only loss for messages, with a chat template with generation blocks and one without, whoever opens the
-conversation, with a default system prompt or without); lists, `datasets.Dataset`, JSONL, parquet and save_to_disk
-folders train, packed or padded by the built-in collate, with what --max-length cuts counted; bad input is one line.
+conversation, with a default system prompt or without, tool-calling conversations with their `tools`); lists,
+`datasets.Dataset`, JSONL, parquet and save_to_disk folders train, packed or padded by the built-in collate, with what
+--max-length cuts counted; bad input is one line.
 1 vs 2 processes vs accumulation on chat data: tests/test_language_models.py (lm_probe's chat jobs)."""
 
 from __future__ import annotations
@@ -158,6 +159,113 @@ def test_packed_chat_keeps_only_the_assistants_labels():
             sorted(t for s in tokenized.samples for t in s["labels"][1:].tolist() if t != -100)
 
 
+def schema(name: str, description: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "description": "the city"}}, "required": ["city"]}}}
+
+
+def call(name: str, city: str) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": {"city": city}}}
+
+
+# Two functions of one shape: a `datasets` column (TRL's input) keeps them as they are, adding no null fields.
+TOOLS = [schema("get_weather", "Get the weather in a city"), schema("get_time", "Get the local time in a city")]
+WEATHER = {"role": "user", "content": "what is the weather in paris"}
+TOOL_CHATS = [
+    {"tools": TOOLS, "messages": [WEATHER, {"role": "assistant", "tool_calls": [call("get_weather", "paris")]},
+                                  {"role": "tool", "content": "sunny"},
+                                  {"role": "assistant", "content": "it is sunny in paris"}]},
+    # Two calls in one turn, their results in one user turn (Qwen2.5 merges consecutive tool messages), then more.
+    {"tools": TOOLS, "messages": [
+        {"role": "system", "content": "be short"}, {"role": "user", "content": "weather and time in rome"},
+        {"role": "assistant", "content": "let me look",
+         "tool_calls": [call("get_weather", "rome"), call("get_time", "rome")]},
+        {"role": "tool", "content": "rain"}, {"role": "tool", "content": "noon"},
+        {"role": "assistant", "content": "rain at noon"}, {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "you are welcome"}]},
+    # The assistant opens the conversation: its turn is found after a placeholder user turn, the tools rendered too.
+    {"tools": TOOLS, "messages": [{"role": "assistant", "tool_calls": [call("get_time", "oslo")]},
+                                  {"role": "tool", "content": "midnight"},
+                                  {"role": "assistant", "content": "it is midnight in oslo"}]},
+    {"messages": [WEATHER, {"role": "assistant", "content": "i cannot tell"}]},  # no tools beside ones with them
+]
+TOOL_PAIRS = [{"tools": TOOLS, "prompt": c["messages"][:-1], "completion": c["messages"][-1:]} for c in TOOL_CHATS[:2]]
+
+
+def tool_tokenizer(template: str):
+    """lm_probe's word-level tokenizer with a vocabulary of every word `template` writes for TOOL_CHATS, the tools'
+    schemas and Qwen2.5's tool instructions among them, so that no word of the tools decodes as [UNK]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    renderer, split = lm_probe.chat_tokenizer(template), pre_tokenizers.Whitespace()
+    specials = ["[UNK]", "[PAD]", "[EOS]", "<|im_start|>", "<|im_end|>"]
+    words = dict.fromkeys(word for c in TOOL_CHATS for word, _ in split.pre_tokenize_str(
+        renderer.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False)))
+    vocabulary = [*specials, *(w for w in words if w not in specials)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocabulary)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = split
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]",
+                                   additional_special_tokens=specials[3:])
+    fast.chat_template = template
+    return fast
+
+
+def trl_pairs(rows, tokenizer, tmp_path) -> list[dict]:
+    """TRL's DPOTrainer's prepared pairs (prompt_ids, chosen_ids, rejected_ids): the trainer is built, not trained."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path / "trl-dpo"), report_to="none", max_steps=0, use_cpu=True, bf16=False,
+                     logging_strategy="no", save_strategy="no")
+    trainer = DPOTrainer(model=lm_probe.base_model(), ref_model=lm_probe.base_model(), args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    keys = ("prompt_ids", "chosen_ids", "rejected_ids")
+    return [{k: trainer.train_dataset[i][k] for k in keys} for i in range(len(trainer.train_dataset))]
+
+
+def test_tools_are_in_the_tokens_and_only_the_assistant_is_labelled(tmp_path):
+    """A sample's `tools` reach the chat template (Qwen2.5's, which writes their schemas into the system turn): their
+    text is in the tokens, none of them labelled; the assistant's tool calls are labelled, the tools' results are
+    not: TRL's labels token for token, with generation blocks and without, for messages and prompt/completion
+    messages, and TRL's DPOTrainer's tokens for a preference pair with tools."""
+    with_blocks, without_blocks = (tool_tokenizer(t) for t in TEMPLATES["Qwen2.5's own, and TRL's training version of it"])
+    descriptions = [tool["function"]["description"] for tool in TOOLS]
+    for tokenizer in (with_blocks, without_blocks):
+        for conversation, sample in zip(TOOL_CHATS, ours(TOOL_CHATS, tokenizer).samples, strict=True):
+            ids, labels = sample["input_ids"].tolist(), sample["labels"].tolist()
+            decoded, given = tokenizer.decode(ids), "tools" in conversation
+            assert [d in decoded for d in descriptions] == [given] * len(TOOLS), f"tools given: {given}; {decoded!r}"
+            if not given:
+                continue
+            text = tokenizer.apply_chat_template(conversation["messages"], tools=TOOLS, tokenize=False)
+            words = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            assert ids == words["input_ids"]
+            # The tools' schemas as the template writes them (tojson) and the tools' results: their tokens in the
+            # input, none of them labelled; the functions called are.
+            quoted = [json.dumps(tool) for tool in TOOLS] + [f"<tool_response>\n{m['content']}\n</tool_response>"
+                                                             for m in conversation["messages"] if m["role"] == "tool"]
+            spans = [(text.index(q), text.index(q) + len(q)) for q in quoted]
+            quiet = [any(a <= start and end <= b for a, b in spans) for start, end in words["offset_mapping"]]
+            assert sum(quiet) > len(quoted) and not any(label != -100 for label, q in zip(labels, quiet) if q)
+            called = {c["function"]["name"] for m in conversation["messages"] for c in m.get("tool_calls", [])}
+            assert called <= set(tokenizer.convert_ids_to_tokens([t for t in labels if t != -100]))
+    reference = trl_rows(TOOL_CHATS, with_blocks, tmp_path, assistant_only_loss=True)
+    pairs_reference = trl_rows(TOOL_PAIRS, with_blocks, tmp_path)
+    for what, mine, theirs in [("messages, generation blocks", ours(TOOL_CHATS, with_blocks), reference),
+                               ("messages, no generation blocks", ours(TOOL_CHATS, without_blocks), reference),
+                               ("prompt/completion messages", ours(TOOL_PAIRS, without_blocks), pairs_reference)]:
+        assert [{k: s[k].tolist() for k in s} for s in mine.samples] == theirs, what
+    as_json = [{**c, "tools": json.dumps(c["tools"])} for c in TOOL_CHATS[:-1]]  # how a dataset may keep them
+    assert [s["input_ids"].tolist() for s in ours(as_json, without_blocks).samples] == \
+        [s["input_ids"] for s in reference[:-1]]
+    preference_rows = [{"tools": TOOLS, "prompt": [WEATHER], "chosen": TOOL_CHATS[0]["messages"][1:2],
+                        "rejected": [{"role": "assistant", "content": "i cannot tell"}]}]
+    pair = chat.tokenize_pair(without_blocks, preference_rows[0], index=0)
+    assert "Get the weather in a city" in without_blocks.decode(pair["prompt_ids"])
+    assert [pair] == trl_pairs(preference_rows, without_blocks, tmp_path)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A tokenizer folder, chats in JSONL, prompt/completion pairs in parquet, text in a save_to_disk folder."""
@@ -232,6 +340,14 @@ def test_bad_input_is_one_line(files, main_in_process, tmp_path):
         "sample 0 has a chosen of type NoneType": ([{"prompt": "a", "chosen": None, "rejected": "c"}], tokenizer),
         "sample 0 has no prompt, and its chosen and rejected conversations share no first turn": (
             [{"chosen": [user, answer], "rejected": [answer]}], tokenizer),
+        "sample 1 has tools that are not a list of dicts (a dict)": ([chats[0], {**chats[1], "tools": TOOLS[0]}],
+                                                                     tokenizer),
+        "sample 0 has tools that are not a list of dicts (tool 1 is a str)": (
+            [{**chats[0], "tools": [TOOLS[0], "get_time"]}], tokenizer),
+        "sample 0 has tools that are not a list of dicts (a string that is not JSON": (
+            [{**chats[0], "tools": "get_time"}], tokenizer),
+        "sample 0 has tools, and its text is not chat messages": (
+            [{"prompt": "say", "completion": " hello", "tools": TOOLS}], tokenizer),
         "sample 0 cannot be rendered by the chat template: TemplateError: roles must alternate": (
             chats, strict),
         "sample 0 cannot be rendered by the chat template: TemplateSyntaxError": (chats, broken),
@@ -256,9 +372,10 @@ def test_bad_input_is_one_line(files, main_in_process, tmp_path):
                                      "--tokenizer", files / "tokenizer")
     assert (code, out, err.count("\n")) == (2, "", 1)
     assert "object.json holds one JSON object: a .json dataset is a list of samples" in err
-    # Tokens given already, beside the text they came from: trained as given (not tokenized again, the text left out
-    # of the batches: 8 samples of 4 tokens, 3 next tokens each).
-    given = [{"input_ids": torch.tensor([3, 5, 6, 2]), "labels": torch.tensor([3, 5, 6, 2]), **c} for c in chats]
+    # Tokens given already, beside the text and tools (as many as each sample had) they came from: trained as given
+    # (not tokenized again, the text and tools left out of the batches: 8 samples of 4 tokens, 3 next tokens each).
+    given = [{"input_ids": torch.tensor([3, 5, 6, 2]), "labels": torch.tensor([3, 5, 6, 2]), **c,
+              "tools": TOOLS[:1 + i % 2]} for i, c in enumerate(chats)]
     assert chat.set_kind_of(given) is None
     trained = acc_trainer.fit(lm_probe.base_model(), given, tokenizer=tokenizer, batch_size=8, max_steps=1,
                               progress="none", plots=False, output_dir=str(tmp_path / "tokens"))

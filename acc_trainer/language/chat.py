@@ -13,6 +13,8 @@ The labels are those TRL 1.16's trainers build, token for token (tests/test_chat
 - prompt/completion: the tokens after the common prefix of the prompt tokenized alone (with the generation prompt for
   messages) and of prompt + completion (TRL's completion-only loss); text completions get the EOS token appended as text.
 - text: every token, EOS appended.
+A chat sample's `tools` (JSON-schema function definitions, or that list as a JSON string, as TRL reads them) go to
+every rendering of it, as TRL passes them to `apply_chat_template`; text with tools is refused (no template shows them).
 `train_on_prompt` labels every token. `max_length` cuts keep_start (what is cut is counted: the start line says it);
 `truncation="off"` refuses a longer sample instead. A sample left with no labelled token is dropped, as TRL does.
 
@@ -23,6 +25,7 @@ samples of different lengths are batched by `pad_collate`, preference pairs by `
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -104,12 +107,13 @@ def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, tru
     if chat != isinstance(chosen, list) or chat != isinstance(rejected, list):
         raise ConfigError(f"{_where(index)}mixes text and messages: prompt, chosen and rejected are all text or all "
                           "lists of messages")
+    tools = _tools(sample, index, chat)
     if chat:
         _check_template(tokenizer, index)
         for part in (prompt, chosen, rejected):
             _check_messages(part, index)
-        p = _template_ids(tokenizer, prompt, index, add_generation_prompt=True)
-        pc, pr = _template_ids(tokenizer, prompt + chosen, index), _template_ids(tokenizer, prompt + rejected, index)
+        p = _template_ids(tokenizer, prompt, index, tools=tools, add_generation_prompt=True)
+        pc, pr = (_template_ids(tokenizer, prompt + part, index, tools=tools) for part in (chosen, rejected))
     else:
         _need_tokenizer(tokenizer, index)
         chosen, rejected = _with_eos(tokenizer, chosen), _with_eos(tokenizer, rejected)
@@ -124,26 +128,28 @@ def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, tru
     return out
 
 
-def assistant_mask(tokenizer, messages: list, index: int | None = None) -> tuple[list[int], list[int]]:
-    """(input_ids, 1 on the assistant's tokens) of a conversation rendered by the tokenizer's chat template."""
+def assistant_mask(tokenizer, messages: list, index: int | None = None,
+                   tools: list | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, 1 on the assistant's tokens) of a conversation rendered by the tokenizer's chat template, with
+    the tool schemas `tools` (`apply_chat_template`'s) in every rendering."""
     if not getattr(tokenizer, "is_fast", False):  # transformers' generation masks and our spans both map characters
         raise ConfigError(f"{_where(index)}holds chat messages, and the tokenizer ({type(tokenizer).__name__}) is not a "
                           "fast one: only a fast tokenizer maps tokens to characters, which finds the assistant's "
                           "tokens; give a fast tokenizer (use_fast=True)")
     if GENERATION.search(_template_text(tokenizer)):
         with _template_errors(index):
-            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+            out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
         return list(out["input_ids"]), list(out["assistant_masks"])
-    text = _render(tokenizer, messages, index=index)
+    text = _render(tokenizer, messages, index=index, tools=tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        upto = _render(tokenizer, messages[:i + 1], index=index)
+        upto = _render(tokenizer, messages[:i + 1], index=index, tools=tools)
         if not text.startswith(upto):
             raise _unfindable(index, f"the conversation up to message {i} differently once later turns follow")
-        spans.append((_turn_start(tokenizer, messages, i, upto, index), len(upto)))
+        spans.append((_turn_start(tokenizer, messages, i, upto, index, tools), len(upto)))
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask, k = [], 0
     for start, end in encoded["offset_mapping"]:
@@ -156,19 +162,20 @@ def assistant_mask(tokenizer, messages: list, index: int | None = None) -> tuple
 PLACEHOLDER_TURN = {"role": "user", "content": "hi"}
 
 
-def _turn_start(tokenizer, messages: list, i: int, upto: str, index: int | None) -> int:
+def _turn_start(tokenizer, messages: list, i: int, upto: str, index: int | None, tools: list | None) -> int:
     """Where assistant message i begins in `upto` (the conversation up to it, rendered): after the conversation
     before it rendered with the generation prompt, so the template's own text (the turn's header, a default system
     prompt) is never the assistant's."""
     if i:
-        before = _render(tokenizer, messages[:i], index=index, add_generation_prompt=True)  # what the model is given
+        before = _render(tokenizer, messages[:i], index=index, tools=tools,
+                         add_generation_prompt=True)  # what the model is given
         if not upto.startswith(before):
             raise _unfindable(index, f"the conversation before message {i} differently once message {i} follows")
         return len(before)
     # Nothing comes before a conversation's first turn, and transformers renders no empty conversation: the turn's
     # own text is what follows a placeholder user turn with the generation prompt, and `upto` must end with it.
-    before = _render(tokenizer, [PLACEHOLDER_TURN], index=index, add_generation_prompt=True)
-    after = _render(tokenizer, [PLACEHOLDER_TURN, messages[0]], index=index)
+    before = _render(tokenizer, [PLACEHOLDER_TURN], index=index, tools=tools, add_generation_prompt=True)
+    after = _render(tokenizer, [PLACEHOLDER_TURN, messages[0]], index=index, tools=tools)
     turn = after[len(before):]
     if not (after.startswith(before) and upto.endswith(turn)):
         raise _unfindable(index, "message 0 (the assistant's, opening the conversation) differently after a user turn")
@@ -182,13 +189,15 @@ def _unfindable(index: int | None, what: str) -> ConfigError:
 
 def _encode(tokenizer, sample, kind: str, index: int | None) -> tuple[list[int], list[int]]:
     """(token ids, 1 where the loss counts by default) of an SFT sample."""
+    chat = kind == "messages" or (kind == "prompt_completion" and isinstance(sample["prompt"], list))
+    tools = _tools(sample, index, chat)
     if kind == "messages":
         messages = sample["messages"]
         _check_template(tokenizer, index)
         _check_messages(messages, index)
         if not any(m["role"] == "assistant" for m in messages):
             raise ConfigError(f"{_where(index)}is a conversation with no assistant turn: nothing to learn from it")
-        ids, mask = assistant_mask(tokenizer, messages, index)
+        ids, mask = assistant_mask(tokenizer, messages, index, tools)
         if not any(mask):
             raise ConfigError(f"{_where(index).strip()}: the chat template's {{% generation %}} blocks mark none of the "
                               "assistant's tokens")
@@ -209,8 +218,8 @@ def _encode(tokenizer, sample, kind: str, index: int | None) -> tuple[list[int],
     if isinstance(prompt, list):
         _check_template(tokenizer, index)
         _check_messages(prompt + completion, index)
-        prompt_ids = _template_ids(tokenizer, prompt, index, add_generation_prompt=True)
-        ids = _template_ids(tokenizer, prompt + completion, index)
+        prompt_ids = _template_ids(tokenizer, prompt, index, tools=tools, add_generation_prompt=True)
+        ids = _template_ids(tokenizer, prompt + completion, index, tools=tools)
     else:
         _need_tokenizer(tokenizer, index)
         completion = _with_eos(tokenizer, completion)
@@ -292,6 +301,34 @@ def _check_field(sample: Mapping, field: str, index: int | None) -> None:
     if field in sample and not isinstance(sample[field], (str, list)):
         raise ConfigError(f"{_where(index)}has a {field} of type {type(sample[field]).__name__}: it is text or a list of "
                           "{role, content} messages")
+
+
+def _tools(sample, index: int | None, chat: bool) -> list | None:
+    """A sample's tool schemas (`tools`): a list of dicts, or that list as a JSON string (how a `datasets` column keeps
+    schemas of different shapes; TRL decodes it too). None: the sample has none."""
+    tools = sample.get("tools") if isinstance(sample, Mapping) else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise _bad_tools(index, f"a string that is not JSON ({first_line(e)})") from None
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad_tools(index, f"a {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise _bad_tools(index, f"tool {i} is a {type(tool).__name__}")
+    if tools and not chat:  # only a chat template writes them into the text
+        raise ConfigError(f"{_where(index)}has tools, and its text is not chat messages: the chat template renders "
+                          "tools, for messages (or a prompt and completion as messages)")
+    return tools
+
+
+def _bad_tools(index: int | None, what: str) -> ConfigError:
+    return ConfigError(f"{_where(index)}has tools that are not a list of dicts ({what}): tools is a list of function "
+                       'schemas, {"type": "function", "function": {"name", "description", "parameters"}}, or that '
+                       "list as a JSON string")
 
 
 @contextlib.contextmanager
@@ -437,7 +474,7 @@ class TextSets:
         return note
 
 
-TEXT_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected", "text")
+TEXT_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected", "text", "tools")
 
 
 class _TokensOnly(Dataset):
