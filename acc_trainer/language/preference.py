@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError, TrainConfig
 from ..workload.components import Workload
-from ..workload.losses import Loss, no_cache
+from ..workload.losses import Loss, chunked, no_cache
 from .chat import Tokenized, pad_id, preference_collate
 
 PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -33,14 +33,21 @@ FIGURES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accura
 
 def sequence_logps(model, batch: Mapping, autocast: Callable = contextlib.nullcontext) -> torch.Tensor:
     """Per row of `batch` (input_ids, attention_mask, completion_mask): the sum over its completion's tokens of
-    log p(token | the tokens before it), in float32; the model's forward under `autocast`."""
+    log p(token | the tokens before it), in float32; the model's forward under `autocast`. The logits are taken in
+    float32 a chunk of positions at a time (losses.chunked): never the whole [rows, tokens, vocabulary] in float32."""
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with autocast():
         logits = model(**inputs, **no_cache(model, inputs)).logits
-    logits = logits[:, :-1].float()
-    targets = batch["input_ids"][:, 1:]
-    per_token = logits.gather(2, targets[..., None]).squeeze(2) - logits.logsumexp(-1)
+    # Each position's next token; the last position's (a stand-in) is dropped. The logits stay whole: logits[:, :-1]
+    # flattened would be a copy.
+    targets = F.pad(batch["input_ids"][:, 1:], (0, 1))
+    per_token = chunked(token_logps, logits.flatten(0, 1), targets.flatten()).view_as(targets)[:, :-1]
     return (per_token * batch["completion_mask"][:, 1:]).sum(1)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) of each row of `logits` [n, vocabulary], [n]."""
+    return logits.gather(1, targets[:, None]).squeeze(1) - logits.logsumexp(-1)
 
 
 def unwrapped(model):

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from accelerate.utils import recursively_apply
+from torch.utils.checkpoint import checkpoint
 
 from ..data.datasets import IGNORE_INDEX
 
@@ -223,20 +224,48 @@ def class_scores(outputs, targets: torch.Tensor) -> torch.Tensor:
     """Scores with the class dimension second, as torch's losses want: [B, C] and [B, C, ...] stay,
     [B, T, C] against targets [B, T] (a sequence model's logits) becomes [B, C, T]."""
     scores = predictions(outputs).float()
-    if scores.dim() == targets.dim() + 1 and scores.shape[:-1] == targets.shape and scores.dim() > 2:
-        return scores.movedim(-1, 1)
-    return scores
+    return scores.movedim(-1, 1) if _classes_last(scores, targets) else scores
+
+
+def _classes_last(scores: torch.Tensor, targets: torch.Tensor) -> bool:
+    return scores.dim() == targets.dim() + 1 and scores.shape[:-1] == targets.shape and scores.dim() > 2
 
 
 def cross_entropy(outputs, targets: torch.Tensor, label_smoothing: float = 0.0):
     """Targets are class indices, or class probabilities [B, C] (mixup, cutmix). Per sample [B]: the
     mean over the samples; per position ([B, T] tokens, [B, H, W] pixels, -100 ignored): a sum over
-    the positions and their count, normalised over the whole global batch."""
-    scores = class_scores(outputs, targets)
+    the positions and their count, normalised over the whole global batch. Tokens' scores [B, T, V] are
+    taken in float32 a chunk of positions at a time (`chunked`)."""
     if targets.dim() >= 2 and not targets.is_floating_point():
-        return (F.cross_entropy(scores, targets, label_smoothing=label_smoothing, reduction="sum"),
+        scores = predictions(outputs)
+        if _classes_last(scores, targets):
+            per_token = chunked(functools.partial(F.cross_entropy, label_smoothing=label_smoothing, reduction="none"),
+                                scores.flatten(0, -2), targets.flatten())
+            return per_token.sum(), count_tokens(targets)
+        return (F.cross_entropy(scores.float(), targets, label_smoothing=label_smoothing, reduction="sum"),
                 count_tokens(targets))
-    return F.cross_entropy(scores, targets, label_smoothing=label_smoothing)
+    return F.cross_entropy(class_scores(outputs, targets), targets, label_smoothing=label_smoothing)
+
+
+# float32 elements of the scores that `chunked` takes at once (64 MiB; with fn's intermediates, a few times that). A
+# 128k vocabulary over 4,096 tokens is 2 GiB a row in float32; a chunk is 128 of its positions.
+CHUNK_ELEMENTS = 2**24
+
+
+def chunked(fn: Callable, scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fn(scores [n, C] in float32, targets [n]) -> [n], over the rows of `scores` [N, C] (in any dtype) a chunk of
+    rows (CHUNK_ELEMENTS scores) at a time: neither the float32 copy of the whole scores nor fn's intermediates over
+    them exist at once. The result is fn's over the whole, [N] float32, fn working row by row."""
+    rows = max(1, CHUNK_ELEMENTS // max(1, scores.shape[-1]))
+    # Each chunk's float32 copy and intermediates are computed again in the backward, not kept for it: kept, they would
+    # add up to the whole again. (A hand-written autograd Function writing each chunk's gradient into one buffer
+    # peaked the same, within a chunk.) fn draws no random numbers: no RNG state to keep.
+    return torch.cat([checkpoint(_in_float32, fn, s, t, use_reentrant=False, preserve_rng_state=False)
+                      for s, t in zip(scores.split(rows), targets.split(rows))])
+
+
+def _in_float32(fn: Callable, scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return fn(scores.float(), targets)
 
 
 def values_like(outputs, targets: torch.Tensor) -> torch.Tensor:
