@@ -278,9 +278,12 @@ def test_a_resume_ends_bit_for_bit_where_the_run_ends(runs, tmp_path):
 
 
 def test_the_wrong_data_or_options_are_one_line(tmp_path):
+    from transformers import LlamaForSequenceClassification
+
     import acc_trainer
 
     tokenizer = lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN)
+    classifier = lambda: LlamaForSequenceClassification(lm_probe.base_model().config)  # noqa: E731 - a reward model's shape
     options = dict(batch_size=2, max_steps=1, progress="none", plots=False, tokenizer=tokenizer)
     cases = [
         (dict(data=dpo_probe.pairs(4, 0)), "preference pairs .* --objective dpo"),
@@ -290,11 +293,13 @@ def test_the_wrong_data_or_options_are_one_line(tmp_path):
         (dict(data=dpo_probe.pairs(4, 0), objective="dpo", dpo_reference="adapter"), "give --lora"),
         (dict(data=lm_probe.conversations(4, 0), dpo_beta=0.5), "--dpo-beta applies with --objective dpo"),
         (dict(data=dpo_probe.pairs(4, 0), objective="dpo", train_on_prompt=True), "--train-on-prompt applies to "),
+        (dict(data=dpo_probe.pairs(4, 0), objective="dpo", model=classifier), "LlamaForSequenceClassification has no "
+                                                                               "language-model head"),
     ]
     for i, (case, message) in enumerate(cases):
-        data = case.pop("data")
+        data, model = case.pop("data"), case.pop("model", lm_probe.base_model)
         with pytest.raises(ConfigError, match=message):
-            acc_trainer.fit(lm_probe.base_model(), data, output_dir=str(tmp_path / str(i)), **options, **case)
+            acc_trainer.fit(model(), data, output_dir=str(tmp_path / str(i)), **options, **case)
         reset_accelerate()
         assert not (tmp_path / str(i)).exists()
 

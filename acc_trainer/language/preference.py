@@ -178,6 +178,11 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
             raise ConfigError(f"--objective dpo trains on preference pairs (prompt, chosen and rejected, as text or chat "
                               f"messages), and {job.dataset_name}'s samples are not such pairs")
         job.collate = preference_collate(pad_id(job.tokenizer) if job.tokenizer is not None else 0, cfg.max_length)
+    head = getattr(unwrapped(job.model), "get_output_embeddings", None)  # a transformers model says whether it has one
+    if head is not None and head() is None:
+        raise ConfigError(f"--objective dpo trains a causal language model (its next-token logits, as "
+                          f"AutoModelForCausalLM's), and {type(unwrapped(job.model)).__name__} has no language-model head "
+                          "(a sequence classifier scores whole sequences): give a causal LM")
     mode = cfg.dpo_reference if cfg.dpo_reference != "auto" else "adapter" if cfg.lora else "copy"
     if mode == "adapter" and not (cfg.lora or hasattr(job.model, "disable_adapter")):
         raise ConfigError("--dpo-reference adapter is the model with its LoRA adapters switched off: give --lora RANK "
