@@ -27,6 +27,7 @@ commands (acc-trainer COMMAND --help describes each):
   acc-trainer evaluate RUN_DIR [--weights F] [--output F.json] [options]   a finished run's weights on any set
   acc-trainer predict RUN_DIR --output F.jsonl|.csv|.npz [options]         one row per sample, in order
   acc-trainer export RUN_DIR --format onnx|pt2|safetensors [--output F]     the model for other tools, checked
+  acc-trainer consolidate CHECKPOINT OUT [--accept-unverified]   any engine's checkpoint as whole weights
   acc-trainer rerun RUN_DIR [options]                  train a run again from its config.yaml; same weights?
   acc-trainer sweep SPACE.yaml [--trials N]            an Optuna search, each trial a run, pruned as it goes
 

@@ -515,6 +515,25 @@ def test_a_run_resumed_from_an_older_checkpoint_keeps_its_own(tmp_path):
     assert summary["resumed_from"].endswith("step-00000006") and summary["steps"] == 8
 
 
+def test_a_resume_into_another_folder_leaves_the_later_checkpoints_and_says_so(tmp_path):
+    """Resumed from step 4 of a run that reached step 8, into another --output-dir: the first run's step 8 stays where it
+    is, and the start note says so (it used to announce a move to checkpoints/abandoned/ that never happened)."""
+    import acc_trainer
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
+    options = {"epochs": 2, "batch_size": 64, "checkpoint_every": "2", "progress": "none", "plots": False}
+    acc_trainer.fit(torch.nn.Linear(4, 2), data, data, **options, output_dir=str(tmp_path / "run"))
+    folder = tmp_path / "run" / "checkpoints"
+    summary = acc_trainer.fit(torch.nn.Linear(4, 2), data, data, **options, output_dir=str(tmp_path / "branch"),
+                              resume=str(folder / "step-00000004"))
+    assert summary["steps"] == 8
+    assert [p.name for p in complete_checkpoints(folder)] == [f"step-0000000{s}" for s in (2, 4, 6, 8)]
+    assert not (folder / "abandoned").exists()
+    note, = [n for n in summary["notes"] if "step-00000008" in n]
+    assert "stay where they are" in note and "moves" not in note, note
+
+
 def test_a_checkpoint_left_half_replaced_is_written_over(tmp_path):
     """A write killed between renaming a checkpoint to .old-<name> and removing it leaves that folder: the next write of
     the same name replaces it (it used to fail "Directory not empty" on the main process alone, the others waiting)."""

@@ -107,15 +107,16 @@ def finished(tmp_path_factory):
     return out
 
 
-def _model_outputs(run):
-    """The run's model called on each evaluation sample alone, in the test's own process."""
+def _model_outputs(run, train_size: int = 512):
+    """The run's model called on each evaluation sample alone, in the test's own process (`train_size`: the
+    synthetic set's, which draws its evaluation samples after the training ones)."""
     from safetensors.torch import load_file
 
     from acc_trainer.config import make_config
     from acc_trainer.workload.components import build_data, build_model
 
-    cfg = make_config({"model": "mlp", "dataset": "synthetic", "train_size": 512, "eval_size": 101})
-    data = build_data(cfg)
+    cfg = make_config({"model": "mlp", "dataset": "synthetic", "train_size": train_size, "eval_size": 101})
+    data = build_data(cfg, trains=False)
     model = build_model(cfg, data).eval()
     model.load_state_dict(load_file(run / "model.safetensors"))
     with torch.no_grad():
@@ -165,6 +166,21 @@ def test_predict_writes_one_row_per_sample_in_order(finished, tmp_path, suffix):
     for i, value in enumerate(expected):
         assert outputs[i] == pytest.approx(value.tolist(), abs=1e-5) and classes[i] == int(value.argmax())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".predict-")]  # its temporary folder is gone
+
+
+def test_predict_and_evaluate_read_a_set_whose_training_split_is_smaller_than_a_batch(finished, tmp_path):
+    """The run trained with batches of 64; predicting and evaluating on the evaluation split of a set whose training
+    split holds 16 samples read that split only (they used to be refused: "the training set ... has 16 samples, fewer
+    than one global batch")."""
+    out = tmp_path / "rows.jsonl"
+    result = run_here("predict", finished, "--train-size", "16", "--output", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(101))
+    for row, value in zip(rows, _model_outputs(finished, train_size=16), strict=True):
+        assert row["output"] == pytest.approx(value.tolist(), abs=1e-5)
+    result = run_here("evaluate", finished, "--train-size", "16")
+    assert result.returncode == 0 and "(eval): " in result.stdout and "on 101 samples" in result.stdout, result.stderr
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -96,6 +96,62 @@ def test_lora_fine_tune_starts_from_the_first_run_and_its_adapter_loads_with_pef
     assert _greedy(alone, tokenizer, prompt) == samples[prompt]
 
 
+def test_each_run_folder_has_a_model_card_whose_command_trains_the_run_again(runs):
+    """README.md: the model, the data and what it says of its tokens, the objective, the tokens trained (12 steps of 8
+    blocks of 128), the final perplexity, and a command that gives the options of the run's config.yaml."""
+    import shlex
+
+    from acc_trainer.flags import parse_config
+
+    full, lora = runs
+    for run in runs:
+        card = (run / "README.md").read_text()
+        assert "LlamaForCausalLM, built by `stdlib_lm:llama`" in card and "the dataset: `stdlib_lm:documents`" in card
+        assert "- `lm`: the model's own loss" in card and "- tokens: 12,288 (blocks of 128)" in card
+        assert f"perplexity {summary(run)['eval']['perplexity']:.4g}" in card
+        command = card.split("```bash\n")[1].split("\n```")[0]
+        assert parse_config(shlex.split(command)[1:]) == parse_config(["--config", str(run / "config.yaml")])
+    assert "starting weights: the model's own" in (full / "README.md").read_text()
+    assert f"starting weights: `--init-from {full}` (20 tensors loaded)" in (lora / "README.md").read_text()
+
+
+def test_the_pages_commands_followed_top_to_bottom_each_write_their_own_folder_and_files():
+    """docs/language-models.md's commands, run in order from examples/: no two write the same run folder or file (the
+    2-process run and the instruction section's base run both wrote runs/stdlib-lm, refused the second time; a
+    predict wrote pairs.jsonl over the DPO example's pairs)."""
+    import re
+    import shlex
+    from collections import Counter
+
+    import yaml
+
+    text = (REPO / "docs" / "language-models.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    commands = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    commands += [" ".join(span.split()) for span in re.findall(r"`(acc-trainer [^`]+)`", text)]  # in the prose
+    written = []
+    for block in blocks:  # the files its here-documents write
+        written += re.findall(r'open\("([^"]+)", "w"\)', block) + re.findall(r"^cat > (\S+)", block, re.M)
+    written += re.findall(r'output_dir="([^"]+)"', text)  # fit() in the Python examples
+    for command in commands:
+        words = shlex.split(command, comments=True)
+        while words and re.match(r"\w+=", words[0]):  # OMP_NUM_THREADS=1 acc-trainer ...
+            words.pop(0)
+        if words[:2] == ["acc-trainer", "launch"]:
+            words = ["acc-trainer", *words[words.index("acc_trainer") + 1:]]
+        if words[:1] != ["acc-trainer"] or len(words) < 2:
+            continue
+        options = dict(zip(words[1:], words[2:]))
+        if words[1] in ("predict", "evaluate") and "--output" in options:
+            written.append(options["--output"])
+        elif words[1].startswith("-"):  # a training run: its --output-dir, else its YAML's
+            given = options.get("--output-dir") or yaml.safe_load((EXAMPLES / options["--config"]).read_text())[
+                "output-dir"]
+            written.append(given)
+    twice = [path for path, count in Counter(written).items() if count > 1]
+    assert "runs/stdlib-lm" in written and "pairs.jsonl" in written and not twice, twice
+
+
 def test_bench_lm_measures_the_three_loops_and_prints_their_ratios(tmp_path):
     """`acc-trainer bench-lm` on the example's workload, made tiny (3 steps of 8 blocks of 64 tokens, the first
     not timed), one process: a row per loop, and acc_trainer's figure is the one its own run folder logged."""

@@ -518,14 +518,14 @@ DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
 }
 
 
-def check_data(data: Data, batch_size: int, name: str) -> None:
+def check_data(data: Data, batch_size: int | None, name: str) -> None:
     """Empty sets, or a training set shorter than one global batch, are one line (streams: at their start,
-    by their loaders)."""
+    by their loaders). `batch_size` None: the data is not trained on (evaluate, predict), whatever its size."""
     if data.kind.streams:
         return
     if data.eval is not None and data.kind.eval.length == 0:
         raise ConfigError(f"the evaluation set of {name} is empty")
-    if data.kind.train.length < batch_size:
+    if batch_size is not None and data.kind.train.length < batch_size:
         raise ConfigError(
             f"the training set of {name} has {data.kind.train.length} samples, fewer than one global batch "
             f"(--batch-size {batch_size})"

@@ -6,6 +6,8 @@ generates, `generation_config.json`: `AutoModelForCausalLM.from_pretrained(run_d
 class) then builds the trained model, ties its tied weights again (the safetensors file holds a tied
 tensor once) and gives the same outputs. transformers is not imported: the model brought it.
 
+The run folder's README.md, its model card, is written here too (`model_card_file`, the text made by summary.py).
+
 The run's tokenizer, when it has one (`--tokenizer`, `fit(tokenizer=)`, loaded by `load_tokenizer`), is saved
 beside them with its own `save_pretrained` (`tokenizer_files`): `AutoTokenizer.from_pretrained(run_dir)` works.
 """
@@ -38,8 +40,7 @@ def config_files(module, folder: Path, whole: bool = True, adapter: dict | None 
         folder = folder / MODEL_CONFIG
         folder.mkdir(exist_ok=True)
     config = copy.deepcopy(config)  # the user's model keeps its own
-    # Which class to build, as save_pretrained records it (FSDP2 renames the class: FSDPGPT2LMHeadModel).
-    config.architectures = [next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))]
+    config.architectures = [class_name(module)]  # which class to build, as save_pretrained records it
     written = []
     try:
         config.save_pretrained(folder)
@@ -56,6 +57,19 @@ def config_files(module, folder: Path, whole: bool = True, adapter: dict | None 
               file=sys.stderr)
         return []
     return [f"{MODEL_CONFIG}/{name}" for name in written] if apart else written
+
+
+def class_name(module) -> str:
+    """The model's class, as its config.json names it (FSDP2 renames the class: FSDPGPT2LMHeadModel)."""
+    return next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+
+
+def model_card_file(module, folder: Path, card: str) -> None:
+    """`card` as the model folder's README.md; for a peft model with peft's own part added, as peft adds it to the
+    card of an adapter it saves (its library, base model, tags and version: `create_or_update_model_card`)."""
+    (folder / "README.md").write_text(card)
+    if is_peft(module):
+        module.create_or_update_model_card(str(folder))
 
 
 def load_tokenizer(spec: str, what: str = "--tokenizer"):

@@ -196,7 +196,7 @@ def _chosen(cfg: TrainConfig, out: Path) -> tuple[str | None, list[str]]:
             raise ConfigError(f"checkpoint {path} is {problem}; resume from another one (--resume auto takes the "
                               f"newest that verifies){hint}")
         notes = [unverified(f"checkpoint {path}", problem, True)] if problem else []
-        return str(path), notes + abandoned_note(path)
+        return str(path), notes + abandoned_note(path, out)
     found, notes = complete_checkpoints(out / "checkpoints"), []
     if (out / "summary.json").exists():  # written last: the run ended (resuming it would rewrite its summary)
         again = f", or --resume {found[-1]} to train its last steps again" if found else ""
@@ -214,12 +214,16 @@ def _chosen(cfg: TrainConfig, out: Path) -> tuple[str | None, list[str]]:
     return None, []
 
 
-def abandoned_note(path: Path) -> list[str]:
-    """A run resumed from `path` while later checkpoints sit beside it: they are an attempt it abandons."""
+def abandoned_note(path: Path, out: Path) -> list[str]:
+    """A run resumed from `path` while later checkpoints sit beside it: an attempt it abandons, set aside by its first
+    checkpoint when it writes into their folder (`out`, the run's folder); one that writes elsewhere leaves them."""
     step = NAME.match(path.name)
     later = [p.name for p in complete_checkpoints(path.parent) if step and int(NAME.match(p.name)[1]) > int(step[1])]
     if not later:
         return []
+    if path.parent.resolve() != (out / "checkpoints").resolve():
+        return [f"note: resuming from {path.name}, which has later checkpoint(s) {', '.join(later)} beside it: they stay "
+                f"where they are, since this run writes its checkpoints to {out / 'checkpoints'}/"]
     return [f"note: resuming from {path.name}, this run abandons the later checkpoint(s) {', '.join(later)} beside it: its "
             f"first checkpoint moves them to {path.parent / ABANDONED}/ (--resume auto and --keep-last then see this "
             "run's)"]

@@ -1,5 +1,5 @@
 """The run folder: which folder a run writes to, its lock (one run at a time), and the files the main
-process writes there (config.yaml, metrics.jsonl, summary.json)."""
+process writes there (config.yaml, metrics.jsonl, summary.json; the model card's command line: `command_line`)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 import math
 import os
 import re
+import shlex
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
-from accelerate import PartialState
 
 from ..config import ConfigError, TrainConfig
 from ..distributed.processes import main_decides
@@ -24,6 +24,7 @@ OBJECTS_NOTE = "# fit() trained this run on objects this file cannot build again
 # Where a run wrote and whether it resumed are not what it trains: left out of config.yaml, which then trains the
 # run again into a new folder (`acc-trainer --config RUN_DIR/config.yaml`, `acc-trainer rerun RUN_DIR`).
 NOT_RECORDED = ("output_dir", "resume")
+LOCK = ".lock"  # held by the run that writes the folder (lock_run_folder)
 
 
 def _in_use(folder: Path, handle) -> ConfigError | None:
@@ -41,9 +42,11 @@ def _in_use(folder: Path, handle) -> ConfigError | None:
 
 def check_not_in_use(folder: Path) -> None:
     """Refuses a folder another live run holds (main process only; the lock is let go at once)."""
-    if not (folder / ".lock").exists():
+    try:  # read only: a lock file that a finished run just removed is not made again
+        handle = open(folder / LOCK)
+    except OSError:  # no lock file, no folder: nothing holds it (a folder that cannot be written is said on locking it)
         return
-    with open(folder / ".lock", "a+") as handle:
+    with handle:
         error = _in_use(folder, handle)
     if error:
         raise error
@@ -57,20 +60,26 @@ def refuse_a_run_in(folder: Path) -> None:
 
 def lock_run_folder(folder: Path, resuming: bool):
     """One run at a time per folder: an exclusive flock on <folder>/.lock, held by the open file returned until the
-    run lets it go (`RunFiles.release`, at the run's end, whatever ended it). The operating system drops it when the
-    process dies, so a killed run never leaves a lock behind. Main process only."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / ".lock", "a+")
-    except OSError as e:  # a read-only file system, a parent that is a file, no permission
-        where = next((p for p in [folder, *folder.parents] if p.exists()), folder)
-        raise ConfigError(f"--output-dir {folder} cannot be written ({e.strerror or type(e).__name__}"
-                          + (f": {where} is not a folder" if where.exists() and not where.is_dir() else "")
-                          + "); choose another folder") from None
-    error = _in_use(folder, handle)
-    if error:
+    run lets it go (`RunFiles.release`, at the run's end, whatever ended it; a finished run removes the file). The
+    operating system drops it when the process dies, so a killed run never leaves a lock behind. Main process only."""
+    while True:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            handle = open(folder / LOCK, "a+")
+        except OSError as e:  # a read-only file system, a parent that is a file, no permission
+            where = next((p for p in [folder, *folder.parents] if p.exists()), folder)
+            raise ConfigError(f"--output-dir {folder} cannot be written ({e.strerror or type(e).__name__}"
+                              + (f": {where} is not a folder" if where.exists() and not where.is_dir() else "")
+                              + "); choose another folder") from None
+        error = _in_use(folder, handle)
+        if error:
+            handle.close()
+            raise error
+        if _still_named(folder / LOCK, handle):
+            break
+        # A finished run removed the file between its opening here and the lock: locked, it guards nothing. The file
+        # now at that name (made again, or by another run) is the lock.
         handle.close()
-        raise error
     # Checked again under the lock: a run that finished since this one started left its files here.
     if not resuming:
         try:
@@ -83,6 +92,16 @@ def lock_run_folder(folder: Path, resuming: bool):
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+
+
+def _still_named(path: Path, handle) -> bool:
+    """Whether the open `handle` is the file now at `path`."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(handle.fileno())
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 class RunFiles:
@@ -100,7 +119,7 @@ class RunFiles:
         left by an earlier end is removed (the run writes its own when it ends). `lock`: the folder's
         lock (lock_run_folder), let go by `release`."""
         self.folder, self.enabled = folder, enabled
-        self._metrics, self._lock = None, lock
+        self._metrics, self._lock, self._finished = None, lock, False
         if enabled:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / "metrics.jsonl"
@@ -172,11 +191,17 @@ class RunFiles:
             with self.writing(self.folder / "summary.json"):
                 _write_atomically(self.folder / "summary.json", json.dumps(strict_json(summary), indent=2, allow_nan=False)
                                   + "\n")
+            self._finished = True
 
     def release(self) -> None:
-        """The run has ended: metrics.jsonl closed and the folder's lock let go (another run may take the folder)."""
+        """The run has ended: metrics.jsonl closed and the folder's lock let go (another run may take the folder). A
+        finished run's folder keeps no lock file: it is removed while still locked, and a run that opened it before
+        the removal takes the lock again at its name (lock_run_folder); a run that does not resume is then refused by
+        the summary.json written here (refuse_a_run_in). A stopped run's folder keeps it, for the run that resumes it."""
         self._close_metrics()
         if self._lock is not None:
+            if self._finished:
+                (self.folder / LOCK).unlink(missing_ok=True)
             self._lock.close()
             self._lock = None
 
@@ -196,6 +221,23 @@ class RunFiles:
         if not found:
             return "no complete checkpoint was written"
         return f"the last complete checkpoint is {found[-1]} (continue with --resume auto --output-dir {self.folder})"
+
+
+def command_line(cfg: TrainConfig) -> str:
+    """The options config.yaml records, as the `acc-trainer` command that gives them: those that differ from their
+    defaults (lists and mappings as JSON, which the options read as YAML)."""
+    defaults = TrainConfig()
+    words = ["acc-trainer"]
+    for name, value in cfg.to_dict().items():
+        if name in NOT_RECORDED or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):  # no_x: set by --no-x, cleared by --x (flags._OnOrOff); any other x: --x, --no-x
+            off = "--" + flag[len("--no-"):] if name.startswith("no_") else "--no-" + flag[2:]
+            words.append(flag if value else off)
+        else:
+            words += [flag, shlex.quote(json.dumps(value) if isinstance(value, (list, dict)) else str(value))]
+    return " ".join(words)
 
 
 def given_as_objects(run: Path) -> str | None:
@@ -259,13 +301,26 @@ def output_dir(cfg: TrainConfig, model_name: str, dataset_name: str) -> Path:
         raise ConfigError("--resume auto needs the --output-dir of the run to continue")
     else:
         out = new_run_folder(model_name, dataset_name)
+    main_decides(lambda: _check_usable(out, cfg.resume is None))  # every process waits for it: none writes before
+    return out
+
+
+def refuse_a_used_folder(cfg: TrainConfig) -> None:
+    """The check of `output_dir` made before the workload is built (a large set takes minutes to build), for the one
+    folder known then that must be new: an --output-dir given without --resume (the folder a resume continues is
+    checked by finding its checkpoint; a runs/<time>-... folder is made new). Every process calls this."""
+    if cfg.output_dir and cfg.resume is None:
+        main_decides(lambda: _check_usable(Path(cfg.output_dir), fresh=True))
+
+
+def _check_usable(out: Path, fresh: bool) -> None:
+    """A folder (or nothing yet) that no live run holds and, for a run that does not resume (`fresh`), where no run
+    left its files. Main process only."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} exists and is not a folder")
-    main_decides(lambda: check_not_in_use(out))
-    if cfg.resume is None:
+    check_not_in_use(out)
+    if fresh:
         refuse_a_run_in(out)
-    PartialState().wait_for_everyone()  # every process has checked before the main one writes
-    return out
 
 
 def strict_json(value):

@@ -497,7 +497,8 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
 
     set_seed(cfg.seed)
     # The run's weights replace pretrained ones, but for a LoRA run's base.
-    job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)), chat.text_sets(cfg))
+    job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)), chat.text_sets(cfg),
+                                    trains=False)
     preference.objective(cfg, job)  # --objective dpo: the pairs' forward, loss, figures and collate, as the run had
     mode = getattr(getattr(job.forward, "reference", None), "mode", None)
     if mode == "copy":  # a frozen copy of the starting weights (LoRA's too: its new adapters added nothing yet)

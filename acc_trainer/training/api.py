@@ -19,7 +19,7 @@ from accelerate.utils import set_seed
 from ..config import ConfigError, TrainConfig, did_you_mean, make_config
 from ..distributed import processes
 from ..language import chat
-from ..outputs.runfiles import refuse_a_run_in
+from ..outputs.runfiles import refuse_a_run_in, refuse_a_used_folder
 from ..workload import components
 from ..workload.models import accelerate_marks_undone
 from . import lr_range
@@ -35,6 +35,7 @@ def train(cfg: TrainConfig) -> dict:
     with _random_state_kept():
         _fresh_accelerator_state()
         group = processes.start(cfg)  # before the workload: a download happens on the main process first
+        refuse_a_used_folder(cfg)  # before the workload too: its data may take minutes to build
         set_seed(cfg.seed)  # the same initial weights and generated data on every process
         return run(cfg, components.build_workload(cfg, chat.text_sets(cfg)), group)
 

@@ -3,6 +3,7 @@ written, the plots drawn and the summary table printed."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -17,11 +18,13 @@ from .. import patches
 from ..config import TrainConfig
 from ..distributed import engines, processes
 from ..language.adapters import gathered_state, is_peft, save_merged
-from ..language.pretrained import config_files, tokenizer_files
+from ..language.pretrained import class_name, config_files, model_card_file, tokenizer_files
 from ..outputs import trackers
 from ..outputs.checkpoints import WRITE_ERRORS, write_failure, write_sums
 from ..outputs.progress import summary_table
+from ..outputs.runfiles import command_line
 from ..stopping import TrainingStopped
+from ..workload.first_batch import OWN
 from ..workload.measure import device_peak_flops, library_versions, peak_memory_mb, run_precision
 from ..workload.metrics import best_evaluation, ranked_by
 from .evaluation import format_results
@@ -41,9 +44,11 @@ def finish(r: Run) -> dict:
     # the module itself, the weights load into the model as the user built it. FSDP and DeepSpeed need
     # their wrapper to gather the full weights.
     to_save = trained.model if r.engine != "DDP" else accelerator.unwrap_model(trained.model, keep_torch_compile=False)
+    to_save = trained.ema.module if trained.ema else to_save
+    card = model_card(r, accelerator.unwrap_model(to_save, keep_torch_compile=False)) \
+        if accelerator.is_main_process else None
     try:
-        save_weights(accelerator, trained.ema.module if trained.ema else to_save, output.folder, r.cfg.lora_merge,
-                     r.job.tokenizer)
+        save_weights(accelerator, to_save, output.folder, r.cfg.lora_merge, r.job.tokenizer, card)
     except WRITE_ERRORS as e:
         if not accelerator.is_main_process:
             raise
@@ -70,11 +75,14 @@ def finish(r: Run) -> dict:
     return summary
 
 
-def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = False, tokenizer=None) -> None:
+def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = False, tokenizer=None,
+                 card: str | None = None) -> None:
     """The final weights (`save_model`: model.safetensors, or its shards and their index), written as
     checkpoints are: into a temporary folder, moved into place once whole, then listed with their digests in
-    `folder/SHA256SUMS` (`evaluate`/`predict` verify them). A run stopped while writing leaves no half file."""
+    `folder/SHA256SUMS` (`evaluate`/`predict` verify them). A run stopped while writing leaves no half file. `card`:
+    README.md, written where the folder is a model folder (a transformers model's config.json, or peft's adapter)."""
     tmp = folder / ".tmp-weights"  # only the main process writes files (the others may help gather the weights)
+    written = []  # the model folder's own files: config.json, or the adapter's
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
     accelerator.wait_for_everyone()  # before any process makes the folder again (save_model does, on each)
@@ -84,7 +92,7 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
         if is_peft(module):  # the adapter alone, in peft's format (and the merged model, --lora-merge)
             gathered = gathered_state(module, whole=merge)  # a sharded model's weights, gathered by every process
             if accelerator.is_main_process:
-                config_files(module, tmp, adapter=gathered)
+                written = config_files(module, tmp, adapter=gathered)
                 if merge:  # a model folder of its own: its tokenizer too
                     save_merged(module, tmp / "merged", gathered)
                     tokenizer_files(tokenizer, tmp / "merged")
@@ -97,9 +105,11 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
                 else:
                     accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
             if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained
-                config_files(module, tmp)
+                written = config_files(module, tmp)
         if accelerator.is_main_process:  # the run's tokenizer: AutoTokenizer.from_pretrained(folder) too
             tokenizer_files(tokenizer, tmp)
+            if card and written:
+                model_card_file(module, tmp, card)
     except WRITE_ERRORS as e:
         error = e
     if accelerator.num_processes > 1:  # reached by every process, whether its part failed or not: no one waits alone
@@ -115,6 +125,57 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
         tmp.rmdir()
         options = ["config.yaml"] if (folder / "config.yaml").is_file() else []  # read back by evaluate and rerun
         write_sums(folder, files + options)
+
+
+def model_card(r: Run, module) -> str:
+    """README.md of a language model's run folder: what it was trained from, on what, to do what, by which command,
+    and how far it got (save_weights writes it where the folder is a model folder)."""
+    cfg, state, data = r.cfg, r.state, r.job.data
+    base = module.get_base_model() if is_peft(module) else module
+    lines = [f"# {r.output.folder.name}", "", f"{class_name(base)} trained with acc_trainer "
+             f"({'DPO on preference pairs' if cfg.objective == 'dpo' else 'language modelling'}).", "", "## Base model",
+             "", f"- the model: {class_name(base)}, "
+                 + ("given to fit()" if r.job.objects else f"built by `{r.job.model_name}`")]
+    if getattr(getattr(base, "config", None), "name_or_path", ""):
+        lines.append(f"- built from `{base.config.name_or_path}`")
+    init = r.trained.tuning.init  # None for a resumed run: its checkpoint held the weights
+    loaded = f" ({init['loaded']} tensors loaded)" if init else ""
+    lines.append(f"- starting weights: `--init-from {cfg.init_from}`{loaded}" if cfg.init_from else
+                 "- starting weights: the model's own (as its factory built it)")
+    if cfg.lora:
+        lines.append(f"- LoRA adapters of rank {cfg.lora} (alpha {cfg.lora_alpha or 2 * cfg.lora}) on "
+                     f"{', '.join(cfg.lora_targets or ['all-linear'])}: the adapter is this folder's")
+    counts = r.trained.counts
+    lines += [f"- parameters: {counts['trainable']:,} trained of {counts['total']:,}", "", "## Data", "",
+              f"- the dataset: `{r.job.dataset_name}`" + (f" (`{json.dumps(cfg.dataset_args)}`)" if cfg.dataset_args
+                                                          else "")]
+    for split, kind in (("training", data.kind.train), ("evaluation", data.kind.eval)):
+        if kind is not None:
+            count = f"{kind.length:,} samples" if kind.length is not None else "a stream"
+            lines.append(f"- {split} set: {count}" + (f" (blocks of {cfg.pack} tokens)" if data.kind.packed else ""))
+    lines += [f"- {note}" for note in data.notes]
+    loss = r.scoring.checked.loss_name
+    lines += ["", "## Objective", "", f"- `{cfg.objective}`: " + (
+        f"DPO's sigmoid loss, beta {cfg.dpo_beta}, the reference {_reference(cfg)}" if cfg.objective == "dpo" else
+        f"{loss if loss == OWN else f'`{loss}`'} loss"), "", "## Command", "", "```bash", command_line(cfg), "```"]
+    if r.job.unnamed:
+        lines += ["", f"fit() was given objects this command cannot build ({', '.join(r.job.unnamed)}): to train it "
+                      "again from the command line, name functions that build them."]
+    final = state.evals[-1] if state.evals else None
+    lines += ["", "## Results", "", f"- steps: {state.step:,}, of {cfg.batch_size} samples each "
+                                    f"({state.step * cfg.batch_size:,} samples)"]
+    if data.kind.packed:
+        lines.append(f"- tokens: {state.step * cfg.batch_size * cfg.pack:,} (blocks of {cfg.pack})")
+    if final:
+        shown = {k: v for k, v in final.items() if k not in ("step", "epoch", "samples")}
+        lines.append(f"- final evaluation, at step {final['step']:,}, on {final['samples']:,} samples: "
+                     + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()))
+    return "\n".join(lines) + "\n\n"  # a blank line before what peft adds after it
+
+
+def _reference(cfg: TrainConfig) -> str:
+    adapter = cfg.dpo_reference == "adapter" or (cfg.dpo_reference == "auto" and cfg.lora)
+    return "the model with its adapters off" if adapter else "a frozen copy of the starting weights"
 
 
 def run_summary(r: Run, agreement: dict) -> dict:

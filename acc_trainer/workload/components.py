@@ -109,11 +109,11 @@ def call_factory(factory: Callable, args: dict, known: dict, what: str) -> Any:
 # ---------------------------------------------------------------------------------------- from names
 
 
-def build_workload(cfg: TrainConfig, text=None) -> Workload:
+def build_workload(cfg: TrainConfig, text=None, trains: bool = True) -> Workload:
     """Everything `cfg` names, built in this process (every process calls this after seeding). `text`: how the
     run's text samples become tokens (language/chat.py's `TextSets`, which carries the run's tokenizer), applied to
     a dataset factory's or files' sets before they are packed, unless a collate function of the user's takes the
-    samples as they are; None: no text data."""
+    samples as they are; None: no text data. `trains`: False for evaluate and predict, which only read a set."""
     from accelerate import PartialState
 
     # The main process builds the data first (and downloads, if it must); the others then read its
@@ -121,7 +121,7 @@ def build_workload(cfg: TrainConfig, text=None) -> Workload:
     error = None
     with PartialState().main_process_first():
         try:
-            data = build_data(cfg, text)
+            data = build_data(cfg, text, trains)
         except ConfigError as e:
             error = e
     if error is not None:
@@ -153,8 +153,8 @@ def build_batching(collate, forward) -> tuple[Callable | None, Callable | None]:
     return collate, None if forward is losses.forward else forward
 
 
-def build_data(cfg: TrainConfig, text=None) -> Data:
-    """The run's `Data` from --dataset (`text`: see build_workload)."""
+def build_data(cfg: TrainConfig, text=None, trains: bool = True) -> Data:
+    """The run's `Data` from --dataset (`text`, `trains`: see build_workload)."""
     spec, args = cfg.dataset, cfg.dataset_args or {}
     known = {"config": cfg, "seed": cfg.seed}
     if spec in DATASETS:
@@ -175,7 +175,7 @@ def build_data(cfg: TrainConfig, text=None) -> Data:
     if getattr(text, "note", None):
         data.notes.append(text.note)
     data = settle(data, cfg.data_pipeline, cfg.collate)
-    check_data(data, cfg.batch_size, spec)
+    check_data(data, cfg.batch_size if trains else None, spec)
     return data
 
 
