@@ -227,3 +227,28 @@ def test_predict_generates_from_prompts_without_labels_in_python(project, monkey
     rows = acc_trainer.predict(project.folder / "with", model=lm.model(), data=prompts, generate=True, max_new_tokens=3,
                                progress="none")
     assert [r["index"] for r in rows] == [0, 1, 2] and all(set(r) == {"index", "prompt", "text"} for r in rows), rows
+
+
+def test_predict_continues_each_conversation_before_its_last_answer(tmp_path):
+    """predict(generate=True) on chat data: each conversation continued before its last assistant turn, which is kept
+    as `reference` and never given to the model; the batch, generated together (left-padded), gives each conversation
+    the text it gets alone."""
+    from accelerate.state import AcceleratorState, GradientState
+    from lm_probe import TEMPLATE_PLAIN, base_model, chat_tokenizer, conversations
+
+    import acc_trainer
+
+    tokenizer, model, chats = chat_tokenizer(TEMPLATE_PLAIN), base_model(seed=3).eval(), conversations(6, 0)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    rows = acc_trainer.predict(model, data=chats, generate=True, tokenizer=tokenizer, max_new_tokens=4, batch_size=3,
+                               progress="none")
+    assert [r["index"] for r in rows] == list(range(6))
+    for chat, row in zip(chats, rows, strict=True):
+        prompt = tokenizer.apply_chat_template(chat["messages"][:-1], add_generation_prompt=True, return_dict=True)
+        ids = torch.tensor([list(prompt["input_ids"])])
+        alone = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id)
+        assert row["prompt"] == tokenizer.decode(ids[0], skip_special_tokens=True)
+        assert row["text"] == tokenizer.decode(alone[0, ids.shape[1]:], skip_special_tokens=True)
+        assert row["reference"] == chat["messages"][-1]["content"]

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, TrainConfig, first_line
+from ..data.datasets import IGNORE_INDEX
 from .pretrained import load_tokenizer
 
 SAMPLES = "samples.jsonl"
@@ -112,10 +113,13 @@ def continuation(model, tokenizer, ids: torch.Tensor, max_new_tokens: int, toget
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
-def generated_rows(model, tokenizer, batch, max_new_tokens: int) -> list[dict]:
+def generated_rows(model, tokenizer, batch, max_new_tokens: int, answers: bool = False) -> list[dict]:
     """predict --generate: for each sample of `batch`, its input decoded (`prompt`) and the text generated after it
-    (`text`). A sample's input is its `input_ids` (the tokens its `attention_mask` keeps) for a dict, else the
-    inputs of an (inputs, targets) pair."""
+    (`text`), the batch's prompts generated together (left-padded). A sample's input is its `input_ids` (the tokens
+    its `attention_mask` keeps) for a dict, else the inputs of an (inputs, targets) pair. `answers` (chat and
+    prompt/completion data, whose labels mark the answer): the prompt is the sample before its last labelled tokens
+    (a conversation before its last assistant turn, which the model is to write), and that answer is kept as
+    `reference`, never given to the model."""
     if isinstance(batch, dict):
         if "input_ids" not in batch:
             raise ConfigError(f"predict --generate: the batches hold no input_ids (they hold {', '.join(batch)})")
@@ -124,12 +128,53 @@ def generated_rows(model, tokenizer, batch, max_new_tokens: int) -> list[dict]:
         ids, mask = batch[0], None
     if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()):
         raise ConfigError("predict --generate: the inputs are not rows of token ids (an integer tensor [batch, tokens])")
-    rows = []
+    labels = batch.get("labels") if answers and isinstance(batch, dict) else None
+    prompts, references = [], []
     for i, row in enumerate(ids):
-        prompt = row[mask[i].bool()] if mask is not None else row
-        rows.append({"prompt": tokenizer.decode(prompt, skip_special_tokens=True),
-                     "text": continuation(model, tokenizer, prompt, max_new_tokens)})
-    return rows
+        kept = mask[i].bool() if mask is not None else torch.ones_like(row, dtype=torch.bool)
+        start = _answer_start(labels[i][kept]) if labels is not None else len(row[kept])
+        prompts.append(row[kept][:start])
+        references.append(tokenizer.decode(row[kept][start:], skip_special_tokens=True))
+    texts = continuations(model, tokenizer, prompts, max_new_tokens)
+    return [{"prompt": tokenizer.decode(prompt, skip_special_tokens=True), "text": text,
+             **({"reference": reference} if answers else {})}
+            for prompt, text, reference in zip(prompts, texts, references, strict=True)]
+
+
+def _answer_start(labels: torch.Tensor) -> int:
+    """Where the last run of labelled tokens begins (the last answer); the whole sample when nothing before it is
+    left unlabelled (text, every token labelled)."""
+    marked = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
+    if not marked:
+        return len(labels)
+    start = marked[-1]
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return start if start > 0 else len(labels)
+
+
+def continuations(model, tokenizer, prompts: list[torch.Tensor], max_new_tokens: int) -> list[str]:
+    """The text `model` generates greedily after each prompt (token ids), all of them in one call, left-padded (as a
+    decoder-only model generates a batch); one at a time where the tokenizer has no padding or end token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None or len(prompts) == 1:
+        return [continuation(model, tokenizer, prompt, max_new_tokens) for prompt in prompts]
+    device = next(model.parameters()).device
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        if len(prompt):
+            ids[i, width - len(prompt):], attention[i, width - len(prompt):] = prompt, 1
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            out = model.generate(ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
+                                 do_sample=False, num_beams=1, pad_token_id=pad)
+    finally:
+        model.train(was_training)
+    return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out]
 
 
 def _encoded(tokenizer, prompt: str | list) -> torch.Tensor:

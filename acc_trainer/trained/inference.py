@@ -55,7 +55,7 @@ FORMATS = (".jsonl", ".csv", ".npz")
 
 
 def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=None, loss=None, metrics=None,
-             collate_fn=None, forward=None, config: TrainConfig | None = None, **options) -> dict:
+             collate_fn=None, forward=None, tokenizer=None, config: TrainConfig | None = None, **options) -> dict:
     """`model` (with its weights loaded) evaluated on `dataset`, exactly, on every process of a launch:
     the loss and every metric over the whole set (metrics as for `fit`; metrics with state computed once),
     `samples`, and for classification the confusion matrix and per-class table under `tables`.
@@ -64,7 +64,8 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     verified against the run's digests) loaded into `model`, as built before training, with the run's options
     (config.yaml) under `config` and `options`; how to evaluate a run that `fit()` made from objects (give its
     `loss` and `metrics` again: config.yaml names only those given by name). `weights` with a model object: loaded
-    into it first."""
+    into it first. Text data (chat, prompt/completion, preference pairs) is tokenized as the run did, with
+    `tokenizer` (an object, or what --tokenizer takes; default: the run folder's)."""
     from ..training.api import fit_config
 
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate",
@@ -74,7 +75,8 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     # its F1, as the run evaluated them.
     job = components.from_objects(model, dataset, None, loss if loss is not None else cfg.loss,
                                   metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
-                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline)
+                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline,
+                                  chat.text_sets(cfg, _tokenizer_of(model_or_run, tokenizer)))
     with _mode_kept(model):
         return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
 
@@ -93,11 +95,10 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
     model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict",
                                     options.get("accept_unverified", False))
     cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
+    text = chat.text_sets(cfg, _tokenizer_of(model_or_run, tokenizer))  # text data tokenized as the run did
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
-                                  cfg.pack, cfg.data_pipeline)
-    if generate and tokenizer is None and isinstance(model_or_run, (str, os.PathLike)):
-        tokenizer = _saved_tokenizer(Path(model_or_run))
-    job.tokenizer = load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+                                  cfg.pack, cfg.data_pipeline, text)
+    job.tokenizer = text.tokenizer
     if output is not None:
         check_replaceable(Path(output))
     with _mode_kept(model):  # a row per block with --pack
@@ -331,8 +332,10 @@ def _batch_values(job: components.Workload, model, batch, generate: int | None) 
     class scores): the text generated after each input (`generate`: the most new tokens; by the module itself,
     which makes no collective call), a language model's per-sequence loss (its outputs carry token logits and the
     batch its labels), or else the model's predictions."""
-    if generate:
-        return generated_rows(job.model, job.tokenizer, batch, generate), ("prompt", "text")
+    if generate:  # chat and prompt/completion data: continued before their answer, which is kept beside
+        answers = getattr(job.data.train, "kind", None) in ("messages", "prompt_completion")
+        return (generated_rows(job.model, job.tokenizer, batch, generate, answers),
+                ("prompt", "text", "reference") if answers else ("prompt", "text"))
     outputs, targets = (job.forward or forward)(model, batch)
     if _token_logits(outputs, targets):
         return _sequence_losses(outputs, targets), ("loss", "perplexity", "tokens")
@@ -484,6 +487,14 @@ def _run_options(argv: list[str], command: str, about: str, output_help: str,
     weights = _verified(args.weights or args.run / weights_name(cfg), "--weights", accept)
     tokenizer = args.tokenizer if "tokenizer" in args else _saved_tokenizer(args.run) or cfg.tokenizer
     return cfg, _Command(args.run, weights, args.output, args.split, getattr(args, "generate", False), tokenizer)
+
+
+def _tokenizer_of(model_or_run, tokenizer):
+    """The tokenizer evaluate/predict from Python use: `tokenizer` (an object, or what --tokenizer takes), else the run
+    folder's own (None: a model object, or a run saved without one)."""
+    if tokenizer is None and isinstance(model_or_run, (str, os.PathLike)):
+        tokenizer = _saved_tokenizer(Path(model_or_run))
+    return load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
 
 
 def _saved_tokenizer(run: Path) -> str | None:
