@@ -324,9 +324,11 @@ def test_a_resume_from_init_from_weights_keeps_their_reference(tmp_path):
 
 
 def test_a_dpo_run_folder_evaluates_and_predicts_from_the_command_line(main_in_process, tmp_path):
-    """`acc-trainer evaluate RUN_DIR` gives the run's final evaluation (the reference rebuilt from the starting
-    weights, the pairs through the run's tokenizer); `predict` one row per pair, with the reference's log-probs
-    those of the model as built before training."""
+    """`acc-trainer evaluate RUN_DIR` (and `acc_trainer.evaluate(RUN_DIR, ...)`) gives the run's final evaluation (the
+    reference rebuilt from the starting weights, the pairs through the run's tokenizer); `predict` one row per pair,
+    with the reference's log-probs those of the model as built before training."""
+    import acc_trainer
+
     run = tmp_path / "run"
     code, _, err = main_in_process(
         "--model", "lm_probe:base_model", "--dataset", "dpo_probe:data", "--dataset-args", "{job: full}",
@@ -337,6 +339,10 @@ def test_a_dpo_run_folder_evaluates_and_predicts_from_the_command_line(main_in_p
     assert code == 0, err
     evaluated = json.loads((tmp_path / "evaluated.json").read_text())
     assert {k: evaluated[k] for k in summary(run)["eval"]} == pytest.approx(summary(run)["eval"], abs=1e-6)
+    # From Python too: the pairs through the run folder's tokenizer, the reference the model as built, as above.
+    reset_accelerate()
+    from_python = acc_trainer.evaluate(run, model=lm_probe.base_model(), data=dpo_probe.data("full")[1], progress="none")
+    assert {k: from_python[k] for k in summary(run)["eval"]} == pytest.approx(summary(run)["eval"], abs=1e-6)
     code, _, err = main_in_process("predict", run, "--output", tmp_path / "pairs.jsonl")
     assert code == 0, err
     rows = [json.loads(line)["output"] for line in open(tmp_path / "pairs.jsonl")]

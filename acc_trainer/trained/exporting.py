@@ -44,11 +44,13 @@ def export(model_or_run, /, dataset=None, *, format: str, output: str | os.PathL
     `checked_with`, `matches`. `export(RUN_DIR, model=..., data=..., format=...)`: a finished run's weights loaded
     into `model` as `evaluate` loads them, written to RUN_DIR/export/model.<format> unless `output` says where."""
     from ..training.api import fit_config
-    from .inference import _given
+    from .inference import _given, _trained
 
     _check_format(format)
-    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "export",
-                                    options.get("accept_unverified", False))
+    given = _given(model_or_run, dataset, model, data, weights, config, "export", options.get("accept_unverified", False))
+    model, dataset, config = given.model, given.dataset, given.config
+    if given.weights is not None:
+        model = _trained(model, given.weights, config)
     if output is None:
         if not isinstance(model_or_run, (str, os.PathLike)):
             raise ConfigError("export: give output= (a file) for a model given as an object")

@@ -22,6 +22,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,16 +69,17 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     `tokenizer` (an object, or what --tokenizer takes; default: the run folder's)."""
     from ..training.api import fit_config
 
-    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "evaluate",
-                                    options.get("accept_unverified", False))
-    cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
+    given = _given(model_or_run, dataset, model, data, weights, config, "evaluate", options.get("accept_unverified", False))
+    model, dataset = given.model, given.dataset
+    cfg = fit_config(model, dataset, given.config, {"plots": False, **options}, collate_fn, forward)
     # The run's own loss and metrics (config.yaml names those given by name) unless others are given: its perplexity,
     # its F1, as the run evaluated them.
     job = components.from_objects(model, dataset, None, loss if loss is not None else cfg.loss,
                                   metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
                                   forward or cfg.forward, cfg.pack, cfg.data_pipeline,
                                   chat.text_sets(cfg, _tokenizer_of(model_or_run, tokenizer)))
-    with _mode_kept(model):
+    ready(cfg, job, given.weights)
+    with _mode_kept(job.model):
         return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
 
 
@@ -92,16 +94,17 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
     (greedy, `max_new_tokens`), with `tokenizer` (an object, or what --tokenizer takes; default: the run folder's)."""
     from ..training.api import fit_config
 
-    model, dataset, config = _given(model_or_run, dataset, model, data, weights, config, "predict",
-                                    options.get("accept_unverified", False))
-    cfg = fit_config(model, dataset, config, {"plots": False, **options}, collate_fn, forward)
+    given = _given(model_or_run, dataset, model, data, weights, config, "predict", options.get("accept_unverified", False))
+    model, dataset = given.model, given.dataset
+    cfg = fit_config(model, dataset, given.config, {"plots": False, **options}, collate_fn, forward)
     text = chat.text_sets(cfg, _tokenizer_of(model_or_run, tokenizer))  # text data tokenized as the run did
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
                                   cfg.pack, cfg.data_pipeline, text)
     job.tokenizer = text.tokenizer
+    ready(cfg, job, given.weights)
     if output is not None:
         check_replaceable(Path(output))
-    with _mode_kept(model):  # a row per block with --pack
+    with _mode_kept(job.model):  # a row per block with --pack
         return _predict(cfg, job, job.data.train, Path(output) if output else None, generate=generate)[0]
 
 
@@ -117,10 +120,21 @@ def _mode_kept(model):
         model.train(training)
 
 
+@dataclass
+class Given:
+    """What `evaluate`/`predict`/`export` were given: the model, the data, the run's config, and for a run folder the
+    run's weights, not loaded yet (`ready` loads them, after what the run's objective takes from the model as built)."""
+
+    model: Any
+    dataset: Any
+    config: TrainConfig | None
+    weights: Path | None = None
+
+
 def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | None, command: str,
-           accept: bool = False) -> tuple:
-    """(the model, the dataset, the config) that `evaluate`/`predict` were given: a model and a dataset, or a run
-    folder with the model (its weights loaded from the run here) and the data; `accept`: --accept-unverified."""
+           accept: bool = False) -> Given:
+    """What `evaluate`/`predict` were given: a model and a dataset, or a run folder with the model (as built before
+    training) and the data; `accept`: --accept-unverified."""
     if dataset is not None and data is not None:
         raise ConfigError(f"{command}: give the data once (second, or as data=)")
     if not isinstance(model_or_run, (str, os.PathLike)):
@@ -128,7 +142,7 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
             raise ConfigError(f"{command}: give the model once (first, or as model= after a run folder)")
         if weights is not None:
             _load_weights(model_or_run, _verified(Path(weights), "weights=", accept), type(model_or_run).__name__)
-        return model_or_run, dataset if dataset is not None else data, config
+        return Given(model_or_run, dataset if dataset is not None else data, config)
     run = Path(model_or_run)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{command}: {run} holds no config.yaml: not the folder of an acc_trainer run")
@@ -141,7 +155,26 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
         say_note(unverified(f"run folder {run} (config.yaml)", damage(run, ["config.yaml"]), accept))
         config = parse_config(["--config", str(run / "config.yaml")])
     weights = _verified(Path(weights) if weights is not None else run / weights_name(config), "weights=", accept)
-    return _trained(model, weights, config), dataset if dataset is not None else data, config
+    return Given(model, dataset if dataset is not None else data, config, weights)
+
+
+def ready(cfg: TrainConfig, job: components.Workload, weights: Path | None) -> None:
+    """`job` as the run had it: --objective dpo's forward, loss and collate, its reference made from the model as built
+    (a frozen copy of the starting weights, before the run's) or, once they are in, the model with its adapters
+    off; `weights` (a run's, None: in the model already) loaded into `job.model`."""
+    preference.objective(cfg, job)
+    mode = getattr(getattr(job.forward, "reference", None), "mode", None)
+    if mode == "copy":  # a frozen copy of the starting weights (LoRA's too: its new adapters added nothing yet)
+        if weights is None:
+            raise ConfigError("--objective dpo compares the model with the run's starting weights: give the run folder "
+                              "(evaluate(RUN_DIR, model=..., data=...)), whose model as built is the reference")
+        if cfg.init_from:
+            checkpoints.initial_weights(job.model, cfg.init_from, cfg.init_strict)
+        preference.start(job.forward, job.model)
+    if weights is not None:
+        job.model = _trained(job.model, weights, cfg, cfg.model)
+    if mode == "adapter":  # the run's model with its adapters switched off
+        preference.start(job.forward, job.model)
 
 
 def _verified(weights: Path, give: str, accept: bool = False) -> Path:
@@ -510,15 +543,7 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
     # The run's weights replace pretrained ones, but for a LoRA run's base.
     job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)), chat.text_sets(cfg),
                                     trains=False)
-    preference.objective(cfg, job)  # --objective dpo: the pairs' forward, loss, figures and collate, as the run had
-    mode = getattr(getattr(job.forward, "reference", None), "mode", None)
-    if mode == "copy":  # a frozen copy of the starting weights (LoRA's too: its new adapters added nothing yet)
-        if cfg.init_from:
-            checkpoints.initial_weights(job.model, cfg.init_from, cfg.init_strict)
-        preference.start(job.forward, job.model)
-    job.model = _trained(job.model, weights, cfg, cfg.model)
-    if mode == "adapter":  # the run's model with its adapters switched off
-        preference.start(job.forward, job.model)
+    ready(cfg, job, weights)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:
         raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")
