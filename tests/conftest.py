@@ -27,13 +27,14 @@ BIN = Path(sys.executable).parent
 # The files that take longest, longest first (their worker-seconds in a run of the suite here, 2026-11-28): pytest
 # runs with --no-loadscope-reorder (pyproject.toml), so pytest-xdist hands files out in this order and the longest
 # ones cannot start last and run alone at the end while the other worker idles (its default order, most tests
-# first, ended a run here with one worker on test_restarts.py for 75 s).
-LONGEST_FIRST = ("test_checkpoints.py", "test_own_model.py", "test_launch.py", "test_faults.py", "test_restarts.py",
-                 "test_augment.py", "test_bench.py", "test_engines.py", "test_topology.py", "test_watchdog.py",
-                 "test_trl_bench.py", "test_streams.py", "test_lm_example.py", "test_language_models.py", "test_check.py",
-                 "test_scale_out.py", "test_slurm.py", "test_deepspeed.py", "test_lr_find.py", "test_evaluation.py",
-                 "test_sweep.py", "test_reports.py", "test_data.py", "test_dpo.py", "test_tasks.py", "test_micro_batch.py",
-                 "test_readme.py")
+# first, ended a run here with one worker on test_restarts.py for 75 s). test_deepspeed.py first: in a fresh virtual
+# environment (CI's) its first launch builds DeepSpeed's CPU op, 75-120 s; 25 s here once built.
+LONGEST_FIRST = ("test_deepspeed.py", "test_checkpoints.py", "test_own_model.py", "test_launch.py", "test_faults.py",
+                 "test_restarts.py", "test_augment.py", "test_bench.py", "test_engines.py", "test_topology.py",
+                 "test_watchdog.py", "test_trl_bench.py", "test_streams.py", "test_lm_example.py",
+                 "test_language_models.py", "test_check.py", "test_scale_out.py", "test_slurm.py", "test_lr_find.py",
+                 "test_evaluation.py", "test_sweep.py", "test_reports.py", "test_data.py", "test_dpo.py",
+                 "test_tasks.py", "test_micro_batch.py", "test_readme.py")
 
 
 def pytest_collection_modifyitems(items):
