@@ -158,10 +158,11 @@ def _given(model_or_run, dataset, model, data, weights, config: TrainConfig | No
     return Given(model, dataset if dataset is not None else data, config, weights)
 
 
-def ready(cfg: TrainConfig, job: components.Workload, weights: Path | None) -> None:
+def ready(cfg: TrainConfig, job: components.Workload, weights: Path | None, name: str | None = None) -> None:
     """`job` as the run had it: --objective dpo's forward, loss and collate, its reference made from the model as built
     (a frozen copy of the starting weights, before the run's) or, once they are in, the model with its adapters
-    off; `weights` (a run's, None: in the model already) loaded into `job.model`."""
+    off; `weights` (a run's, None: in the model already) loaded into `job.model` (`name`: the model's, in errors;
+    default its class)."""
     preference.objective(cfg, job)
     mode = getattr(getattr(job.forward, "reference", None), "mode", None)
     if mode == "copy":  # a frozen copy of the starting weights (LoRA's too: its new adapters added nothing yet)
@@ -172,7 +173,7 @@ def ready(cfg: TrainConfig, job: components.Workload, weights: Path | None) -> N
             checkpoints.initial_weights(job.model, cfg.init_from, cfg.init_strict)
         preference.start(job.forward, job.model)
     if weights is not None:
-        job.model = _trained(job.model, weights, cfg, cfg.model)
+        job.model = _trained(job.model, weights, cfg, name)
     if mode == "adapter":  # the run's model with its adapters switched off
         preference.start(job.forward, job.model)
 
@@ -543,7 +544,7 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
     # The run's weights replace pretrained ones, but for a LoRA run's base.
     job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)), chat.text_sets(cfg),
                                     trains=False)
-    ready(cfg, job, weights)
+    ready(cfg, job, weights, cfg.model)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:
         raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")
