@@ -131,13 +131,13 @@ def generated_rows(model, tokenizer, batch, max_new_tokens: int, answers: bool =
     labels = batch.get("labels") if answers and isinstance(batch, dict) else None
     prompts, references = [], []
     for i, row in enumerate(ids):
-        kept = mask[i].bool() if mask is not None else torch.ones_like(row, dtype=torch.bool)
+        kept = mask[i].bool() if mask is not None else slice(None)
         start = _answer_start(labels[i][kept]) if labels is not None else len(row[kept])
         prompts.append(row[kept][:start])
-        references.append(tokenizer.decode(row[kept][start:], skip_special_tokens=True))
+        references.append(row[kept][start:])
     texts = continuations(model, tokenizer, prompts, max_new_tokens)
     return [{"prompt": tokenizer.decode(prompt, skip_special_tokens=True), "text": text,
-             **({"reference": reference} if answers else {})}
+             **({"reference": tokenizer.decode(reference, skip_special_tokens=True)} if answers else {})}
             for prompt, text, reference in zip(prompts, texts, references, strict=True)]
 
 
