@@ -15,9 +15,9 @@ _EXPORTS = {
     "train": ("acc_trainer.training.api", "train"),
     "find_lr": ("acc_trainer.training.api", "find_lr"),  # the learning-rate range test, on a copy of the model
     "check": ("acc_trainer.tools.check", "check"),
-    "evaluate": ("acc_trainer.trained.inference", "evaluate"),  # a trained model on any set, exactly
-    "predict": ("acc_trainer.trained.inference", "predict"),  # one row per sample, in the dataset's order
-    "export": ("acc_trainer.trained.exporting", "export"),  # ONNX, pt2 or safetensors, checked on samples
+    "evaluate": ("acc_trainer.after_training.inference", "evaluate"),  # a trained model on any set, exactly
+    "predict": ("acc_trainer.after_training.inference", "predict"),  # one row per sample, in the dataset's order
+    "export": ("acc_trainer.after_training.exporting", "export"),  # ONNX, pt2 or safetensors, checked on samples
     "launch_in_notebook": ("acc_trainer.distributed.notebook", "launch_in_notebook"),  # several processes from a notebook
     "TrainConfig": ("acc_trainer.config", "TrainConfig"),
     "ConfigError": ("acc_trainer.config", "ConfigError"),

@@ -8,7 +8,7 @@ language model, against the Hugging Face Trainer and a plain Accelerate loop).
 `acc-trainer rerun RUN_DIR` trains a run again from its config.yaml (reruns.py).
 `acc-trainer sweep SPACE.yaml` searches options with Optuna, each trial a run in its own process (tools/sweep.py).
 `acc-trainer lr-find [options]` runs the learning-rate range test and suggests a learning rate (tools/lr_find.py).
-`acc-trainer consolidate CHECKPOINT OUT` writes any engine's checkpoint as whole weights (trained/consolidating.py).
+`acc-trainer consolidate CHECKPOINT OUT` writes any engine's checkpoint as whole weights (after_training/consolidating.py).
 The flags are built from `TrainConfig` (flags.py); the sub-commands live in the tools sub-package,
 imported only when named. A user mistake prints one line on stderr and exits with code 2.
 """
@@ -74,11 +74,11 @@ def sub_command(name: str):
     if name == "check-data":
         return check_data
     if name in ("evaluate", "predict"):
-        from .trained.inference import main_evaluate, main_predict
+        from .after_training.inference import main_evaluate, main_predict
 
         return main_evaluate if name == "evaluate" else main_predict
     if name == "export":
-        from .trained.exporting import main as export
+        from .after_training.exporting import main as export
 
         return export
     if name == "check":
@@ -98,7 +98,7 @@ def sub_command(name: str):
 
         return lr_find
     if name == "consolidate":
-        from .trained.consolidating import main as consolidate
+        from .after_training.consolidating import main as consolidate
 
         return consolidate
     from .tools.lm_bench import main as bench_lm  # acc_trainer against the Hugging Face Trainer on a language model
@@ -136,7 +136,7 @@ def train_from_command_line(argv: list[str], several: bool) -> None:
     """Training: the options parsed (or a run's own, `rerun RUN_DIR`), the run made, the process group left."""
     again = None  # `rerun RUN_DIR [options]`: training, from the run's own config.yaml (reruns.py)
     if argv[:1] == ["rerun"]:
-        from .trained.reruns import rerun_config
+        from .after_training.reruns import rerun_config
 
         again, cfg = rerun_config(argv[1:])
     elif argv and not argv[0].startswith("-"):  # training takes no positional argument: a mistyped command
@@ -150,7 +150,7 @@ def train_from_command_line(argv: list[str], several: bool) -> None:
     keep_freed_memory()  # the command's process is the trainer's own (docs/performance.md)
     summary = train(cfg)
     if again is not None:
-        from .trained.reruns import report_weights
+        from .after_training.reruns import report_weights
 
         report_weights(again, cfg, summary)  # the main process says whether they are the run's, bit for bit
     if several:

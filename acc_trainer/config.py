@@ -32,7 +32,8 @@ PIPELINES = ("batched", "per-sample")
 TRUNCATIONS = ("keep_start", "off")
 DATA_FILES = (".jsonl", ".json", ".parquet")  # --dataset FILE (or a folder of them, or one save_to_disk wrote)
 FORWARDS = ("default", "with_targets")  # losses.FORWARDS
-OBJECTIVES, DPO_REFERENCES = ("lm", "dpo"), ("auto", "adapter", "copy")
+OBJECTIVES, DPO_REFERENCES = ("lm", "dpo", "grpo", "reward"), ("auto", "adapter", "copy")
+LOSS_TYPES, SCALE_REWARDS = ("dapo", "grpo", "bnpo", "dr_grpo"), ("group", "batch", "none")
 # accelerate.tracking.LOGGER_TYPE_TO_CLASS's names, for --help (importing it takes a second; a test keeps them in step).
 TRACKERS = ("aim", "clearml", "comet_ml", "dvclive", "mlflow", "swanlab", "tensorboard", "trackio", "wandb")
 
@@ -96,20 +97,36 @@ class TrainConfig:
         "returning one; saved into the run folder and each checkpoint (AutoTokenizer.from_pretrained loads them), "
         "used by --prompts and predict --generate", metavar="PATH")
     objective: str = _opt("lm", "what the run trains: lm (the loss of --loss, or the model's own), dpo (preference pairs "
-                          "against the starting weights, docs/language-models.md#preference-pairs-and-dpo)", choices=OBJECTIVES)
+                          "against the starting weights), grpo (prompts, --rewards), reward (a reward model)", choices=OBJECTIVES)
     dpo_beta: float = _opt(0.1, "--objective dpo: beta, the scale of the log-probability ratios (rewards)", metavar="BETA")
     dpo_reference: str = _opt("auto", "--objective dpo: the reference, the model with its LoRA adapters off (adapter) or "
                               "a frozen copy (copy); auto: adapter with --lora, else copy", choices=DPO_REFERENCES)
-    data_dir: str = _opt(
-        "data",
-        "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train/<class>/*, val/<class>/*)",
-    )
+    rewards: list | None = _opt(None, "--objective grpo: the reward functions, import paths pkg.module:fn, comma-"
+                                "separated, each with =WEIGHT unless 1 (called as TRL calls them)", metavar="PATHS")
+    num_generations: int = _opt(8, "--objective grpo: completions per prompt (G); --batch-size counts completions")
+    max_completion_length: int = _opt(256, "--objective grpo: the longest completion, in tokens")
+    temperature: float = _opt(1.0, "--objective grpo: the sampling temperature (also of the log-probabilities)")
+    top_p: float = _opt(1.0, "--objective grpo: sample from the most likely tokens of this total probability")
+    top_k: int = _opt(0, "--objective grpo: sample among the K most likely tokens (0: all)")
+    grpo_beta: float = _opt(0.0, "--objective grpo: the weight of the KL to the reference (TRL's beta)")
+    epsilon: float = _opt(0.2, "--objective grpo: the clipping range below 1 (and above, unless --epsilon-high)")
+    epsilon_high: float | None = _opt(None, "--objective grpo: the clipping range above 1 (DAPO: 0.28)")
+    num_iterations: int = _opt(1, "--objective grpo: optimizer steps on each generation (its log-probabilities kept)")
+    scale_rewards: str = _opt("group", "--objective grpo: advantages over the standard deviation of each group, of the "
+                              "global batch, or none", choices=SCALE_REWARDS)
+    loss_type: str = _opt("dapo", "--objective grpo: the loss's normalisation, as TRL names it (docs/language-models.md)",
+                          choices=LOSS_TYPES)
+    mask_truncated_completions: bool = _opt(False, "--objective grpo: completions cut at the maximum left out of the loss")
+    log_completions: int = _opt(0, "--objective grpo: every N steps, the completions and rewards in completions.jsonl")
+    center_rewards_coefficient: float | None = _opt(None, "--objective reward: the weight of mean((chosen + rejected)^2) "
+                                                    "in the loss, rewards centred on 0 (TRL's; e.g. 0.01)", metavar="X")
+    data_dir: str = _opt("data", "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train/<class>/*, "
+                         "val/<class>/*)")
     train_size: int = _opt(8192, "training samples of the generated datasets (synthetic, linear, fake)")
     eval_size: int = _opt(2048, "evaluation samples of the generated datasets (synthetic, linear, fake)")
     image_size: int | None = _opt(
         None, "resize images to this side length (e.g. 224 to upscale CIFAR as in the ResNet-18 experiment); "
-              "imagefolder: resize and centre-crop to N x N (default: the images' own size, 32 when augmented)"
-    )
+              "imagefolder: resize and centre-crop to N x N (default: the images' own size, 32 when augmented)")
     data_pipeline: str = _opt(
         "batched", "batched: datasets held in memory (CIFAR, the generated ones, a user's tensors) stay on the training "
         "device and are augmented a batch at a time there; per-sample: every sample through the DataLoader (CIFAR "
@@ -188,6 +205,10 @@ class TrainConfig:
         None, "--lora: the layers to adapt, by the last part of their names, comma-separated (e.g. q_proj,v_proj; "
         "default for a transformers model: every linear layer but the output one)", metavar="NAMES")
     lora_merge: bool = _opt(False, "--lora: also write the model with the adapters merged into <output-dir>/merged/")
+    load_in_4bit: bool = _opt(False, "--lora on the --init-from folder's model loaded in 4 bits (QLoRA, through bitsandbytes)")
+    bnb_4bit_quant_type: str = _opt("nf4", "--load-in-4bit: the 4-bit data type", choices=("nf4", "fp4"))
+    bnb_4bit_compute_dtype: str = _opt("float32", "--load-in-4bit: the dtype the 4-bit layers compute in",
+                                       choices=("float32", "bfloat16", "float16"))
 
     # Optimisation.
     optimizer: str = _opt("adam", "optimizer: sgd, adam, adamw, or an import path pkg.module:Class taking parameter "
@@ -207,9 +228,7 @@ class TrainConfig:
     warmup_steps: int = _opt(0, "linear warmup from 0 over this many optimizer steps")
     lr_step_epochs: int = _opt(1, "'step' schedule: multiply the LR by --lr-gamma every this many epochs")
     lr_gamma: float = _opt(0.1, "'step' schedule: decay factor")
-    scale_lr: bool = _opt(
-        False, "scale the LR linearly with the global batch: lr x batch_size / --lr-reference-batch"
-    )
+    scale_lr: bool = _opt(False, "scale the LR linearly with the global batch: lr x batch_size / --lr-reference-batch")
     lr_reference_batch: int = _opt(256, "global batch at which --lr applies unscaled, with --scale-lr")
     max_grad_norm: float | None = _opt(None, "clip the gradient norm to this value at every optimizer step")
 
@@ -252,13 +271,11 @@ class TrainConfig:
         None, "the trackers' project (wandb, trackio; MLflow's experiment; TensorBoard's <output-dir>/logs/<project>) "
         "(default: the tracker's own environment variable, WANDB_PROJECT or MLFLOW_EXPERIMENT_NAME, else acc_trainer)",
         metavar="NAME")
-    checkpoint_every: str | None = _opt(
-        None, "save full training state every N optimizer steps, every 'epoch', or both ('500,epoch')"
-    )
+    checkpoint_every: str | None = _opt(None, "save full training state every N optimizer steps, every 'epoch', or both "
+                                        "('500,epoch')")
     keep_last: int | None = _opt(None, "keep only the newest K step checkpoints (the best one is kept apart)")
-    resume: str | None = _opt(
-        None, "'auto': continue from the newest complete checkpoint in --output-dir; or a checkpoint folder"
-    )
+    resume: str | None = _opt(None, "'auto': continue from the newest complete checkpoint in --output-dir; or a checkpoint "
+                                    "folder")
     accept_unverified: bool = _opt(False, "resume from, evaluate, predict with, export or rerun a checkpoint or run "
                                    "folder whose files cannot be checked (no SHA256SUMS, or a file it does not list: "
                                    "one written before digests, or put together elsewhere); the run's notes say so")
@@ -273,18 +290,16 @@ class TrainConfig:
                                   metavar="N")
     min_delta: float = _opt(0.0, "--early-stop: the least change that counts as an improvement", metavar="X")
     prompts: list | None = _opt(
-        None, "texts the model continues at each evaluation (greedy: the same text for the same weights), printed and "
-        "written to <output-dir>/samples.jsonl and the tracker: a text file with one prompt per line, or a YAML list "
-        "'[\"Once upon a time\", \"def main(\"]'; a prompt given as chat messages, '[[{role: user, content: hi}]]', "
-        "goes through the chat template (needs --tokenizer and a model with generate)", metavar="FILE|LIST",
-        lines=True)
-    max_new_tokens: int = _opt(32, "--prompts and predict --generate: the most tokens generated for each text")
+        None, "texts the model continues (greedy) at each evaluation, into <output-dir>/samples.jsonl and the tracker: a "
+        "file of one prompt a line, or a YAML list ('[[{role: user, content: hi}]]': chat, through the template)",
+        metavar="FILE|LIST", lines=True)
+    judge: list | None = _opt(None, "at each evaluation, each held-out chat or prompt/completion sample continued before "
+                              "its answer and judged: exact_match, or pkg.module:fn, comma-separated", metavar="FNS")
+    max_new_tokens: int = _opt(32, "--prompts, --judge and predict --generate: the most tokens generated for a text")
     skip_bad_samples: bool = _opt(
         False, "skip optimizer steps whose batch holds a training sample that cannot be read (counted and named in "
         "the summary) instead of stopping")
-    skip_nonfinite: bool = _opt(
-        False, "skip optimizer steps whose loss is NaN/inf (counted in the summary) instead of stopping"
-    )
+    skip_nonfinite: bool = _opt(False, "skip optimizer steps whose loss is NaN/inf (counted in the summary) instead of stopping")
     plots: bool = _opt(True, "draw the run's figures into <output-dir>/plots/ at its end")
     progress: str = _opt(
         "auto", "rich: live bars; plain: one line per log step; auto: rich on a terminal, else plain", choices=PROGRESS
@@ -414,6 +429,9 @@ class TrainConfig:
             raise ConfigError(f"--lora-dropout takes a probability from 0 to below 1, got {self.lora_dropout}")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ConfigError(f"--lora-alpha must be positive, got {self.lora_alpha}")
+        bnb = [n for n, d in (("bnb_4bit_quant_type", "nf4"), ("bnb_4bit_compute_dtype", "float32")) if getattr(self, n) != d]
+        if bnb and not self.load_in_4bit:
+            raise ConfigError(f"--{_flag(bnb[0])} applies with --load-in-4bit")
 
     def _check_trackers(self) -> None:
         """--log-with's names and --project (which trackers are installed is checked at start: trackers.chosen)."""

@@ -13,7 +13,8 @@ off. A test (tests/test_patches.py) fails when a symbol a patch relies on moves 
   synchronisation while acc_trainer computes it (`unsynced`), torch's worker info while acc_trainer's
   reader worker runs a stream (`worker_info_hidden`), Accelerate's note on tied weights while acc_trainer saves
   (`shared_tensors_unsaid`), the frozen parameters of a partly frozen model under FSDP left out of its
-  checkpoints (`sharded_trainable_only`);
+  checkpoints (`sharded_trainable_only`), Accelerate's notebook launcher's refusal of an imported bitsandbytes once
+  CUDA is known to be untouched (`bitsandbytes_not_refused`);
 - the run's own Accelerate state: FSDP on CPU processes (`fsdp_on_cpu`, docs/scaling.md);
 - glibc's allocator, from the command line only (`keep_freed_memory`).
 """
@@ -210,6 +211,26 @@ def worker_info_hidden():
         yield
     finally:
         worker._worker_info = own
+
+
+@contextlib.contextmanager
+def bitsandbytes_not_refused():
+    """Within the block, Accelerate's notebook_launcher does not refuse to launch because bitsandbytes is imported.
+    Accelerate (1.15) refuses whenever the module is in sys.modules, for fear its import initialized CUDA, which a
+    forked process cannot use; peft imports it wherever it is installed, so a LoRA run in a notebook would stop every
+    later launch, CUDA or not. acc_trainer's launch_in_notebook asks CUDA itself (torch.cuda.is_initialized) before
+    the block. The launcher module's own reference to its check, replaced, is restored after."""
+    if not tested("accelerate"):
+        yield
+        return
+    import accelerate.launchers as launchers
+
+    own = launchers.are_libraries_initialized
+    launchers.are_libraries_initialized = lambda *names: [n for n in own(*names) if n != "bitsandbytes"]
+    try:
+        yield
+    finally:
+        launchers.are_libraries_initialized = own
 
 
 @contextlib.contextmanager

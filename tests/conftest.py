@@ -84,6 +84,20 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def weights(folder: Path) -> dict:
+    """A run folder's final weights: its adapter (adapter_model.safetensors) where it trained LoRA, else its model."""
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").exists() else "model.safetensors"
+    return load_file(folder / name)
+
+
+def distance(a: dict, b: dict) -> float:
+    """The largest difference of two state dicts with the same names."""
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
 def reset_accelerate() -> None:
     """Accelerate's process-wide singletons back to nothing, as in a new process."""
     from accelerate.state import AcceleratorState, GradientState

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from lm_probe import TEMPLATE_PLAIN, WORDS, base_model, chat_tokenizer
+from lm_probe import TEMPLATE_PLAIN, WORDS, base_model, chat_tokenizer, end_launched, fresh_accelerate
 
 
 def pairs(n: int, seed: int, chat: bool = False) -> list[dict]:
@@ -68,8 +68,6 @@ def run_jobs(out: Path, names=None) -> None:
 
 def run_job(folder: Path, name: str) -> None:
     """The job NAME's run, into FOLDER (tests/engine_probe.py runs them under FSDP2 too)."""
-    from accelerate.state import AcceleratorState, GradientState
-
     import acc_trainer
 
     options = {k: v for k, v in JOBS[name].items() if k not in ("chat", "seed_by_rank", "whole")}
@@ -78,16 +76,9 @@ def run_job(folder: Path, name: str) -> None:
         model._no_split_modules = []
     acc_trainer.fit(model, *data(name), tokenizer=chat_tokenizer(TEMPLATE_PLAIN), output_dir=str(folder),
                     **{**COMMON, **options})
-    GradientState._reset_state()  # the next fit's Accelerator starts from a fresh state, on the same processes
-    AcceleratorState._reset_state()
+    fresh_accelerate()
 
 
 if __name__ == "__main__":
     run_jobs(Path(sys.argv[1]), sys.argv[2:] or None)
-    from accelerate import PartialState
-
-    from acc_trainer.patches import leave_without_teardown
-
-    # As the command line ends a finished process: torch 2.14's gloo may abort one in the interpreter's teardown.
-    PartialState().destroy_process_group()
-    leave_without_teardown(0)
+    end_launched()

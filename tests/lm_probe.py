@@ -141,3 +141,23 @@ def run_jobs(out: Path, names=None) -> None:
 
 if __name__ == "__main__":
     run_jobs(Path(sys.argv[1]))
+
+
+def fresh_accelerate() -> None:
+    """The next fit's Accelerator starts from a fresh state, on the same processes (a launch's several runs)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    GradientState._reset_state()
+    AcceleratorState._reset_state()
+
+
+def end_launched() -> None:
+    """A probe's launched process ends as the command line ends a finished one: torch 2.14's gloo may abort one in the
+    interpreter's teardown."""
+    from accelerate import PartialState
+
+    from acc_trainer.patches import leave_without_teardown
+
+    PartialState().destroy_process_group()
+    leave_without_teardown(0)
+

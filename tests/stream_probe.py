@@ -7,7 +7,8 @@ A job: {"name", "data": a streams_data kind, "parquet": the folder of its files,
 "resume": a checkpoint folder (of any run, of any number of processes) or absent}. The run folder is
 OUT_DIR/<name>; a run stopped by acc_trainer (TrainingStopped) writes OUT_DIR/<name>.stopped.json with its
 message and exit code on the main process (a ConfigError too, with code 2), and the next job runs. A job with
-"inference": true evaluates and predicts with acc_trainer.trained.inference on the evaluation set instead (OUT_DIR/<name>.json).
+"inference": true evaluates and predicts with acc_trainer.after_training.inference on the evaluation set instead
+(OUT_DIR/<name>.json).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from acc_trainer.stopping import TrainingStopped
 def run_job(job: dict, out: Path) -> None:
     train, eval_ = streams_data.datasets(job["data"], Path(job.get("parquet") or "."))
     if job.get("inference"):  # the finished model's evaluation and predictions on the evaluation set
-        from acc_trainer.trained.inference import evaluate, predict
+        from acc_trainer.after_training.inference import evaluate, predict
 
         collate = streams_data.collate(job["data"])
         options = {"progress": "none", "batch_size": 12, "eval_batch_size": 4, "output_dir": str(out / job["name"])}

@@ -650,8 +650,8 @@ def test_consolidate_killed_before_its_folder_is_whole_leaves_none(saved_run, tm
     """`acc-trainer consolidate` puts OUT in place with its SHA256SUMS or not at all: killed while writing the digests
     (the process ends there, as under kill -9), there is no OUT, where there was a folder without digests (read as
     unverifiable); run again it writes OUT, which verifies."""
+    from acc_trainer.after_training import consolidating
     from acc_trainer.outputs.checkpoints import damage
-    from acc_trainer.trained import consolidating
 
     class Killed(BaseException):
         pass

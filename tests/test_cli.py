@@ -78,7 +78,7 @@ def docs_themes() -> dict[str, list[str]]:
 def test_help_groups_the_options_as_the_docs_do(help_text):
     """Each theme of docs/options.md is a group of --help, in the same order, with the same options."""
     entries, themes = help_entries(help_text), docs_themes()
-    assert len(themes) == 11
+    assert len(themes) == 12
     assert [g for g in dict.fromkeys(g for g, _, _ in entries) if g != "options"] == list(themes)
     main_flag = {flag: flags[0] for _, flags, _ in entries for flag in flags}  # --no-plots is --plots' entry
     for theme, named in themes.items():

@@ -17,10 +17,11 @@ trl = pytest.importorskip("trl")
 
 import dpo_probe  # noqa: E402 - after the skips
 import lm_probe  # noqa: E402
-from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, summary  # noqa: E402
+from conftest import REPO, check, distance, launch, metrics, one_thread, reset_accelerate, summary, weights  # noqa: E402
 
 from acc_trainer.config import ConfigError  # noqa: E402
-from acc_trainer.language import chat, preference  # noqa: E402
+from acc_trainer.language import chat  # noqa: E402
+from acc_trainer.objectives import dpo as preference  # noqa: E402
 from acc_trainer.workload.losses import batch_loss  # noqa: E402
 
 BETA = 0.1
@@ -186,16 +187,6 @@ def runs(tmp_path_factory):
     return two, one
 
 
-def weights(folder):
-    from safetensors.torch import load_file
-
-    name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").exists() else "model.safetensors"
-    return load_file(folder / name)
-
-
-def distance(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def test_processes_and_accumulation_end_on_the_same_weights(runs):

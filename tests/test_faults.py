@@ -269,12 +269,13 @@ def test_run_files_that_do_not_fit(tmp_path):
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()[:-1]]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > int(last.name[5:])  # every whole line kept
 
-    # Two log lines and no checkpoint: the summary (1.65 kB) is the first file that does not fit (config.yaml: 1.5 kB).
+    # Five evaluations and no checkpoint: the summary (2.06 kB) is the first file that does not fit (config.yaml, every
+    # option: 1.89 kB).
     out = tmp_path / "summary"
-    result = under_limit(1580, "--train-size", "256", "--epochs", "1", "--log-every", "100", "--output-dir", out)
+    result = under_limit(1950, "--train-size", "256", "--epochs", "5", "--log-every", "100", "--output-dir", out)
     assert result.returncode == 1
     assert result.stderr == (f"acc-trainer: writing {out}/summary.json failed: File too large (the file size limit, "
-                             "ulimit -f, is 1,580 bytes); no complete checkpoint was written\n")
+                             "ulimit -f, is 1,950 bytes); no complete checkpoint was written\n")
     assert sorted(p.name for p in out.iterdir()) == [".lock", "SHA256SUMS", "config.yaml", "metrics.jsonl",
                                                      "model.safetensors"]
 

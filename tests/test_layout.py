@@ -134,7 +134,8 @@ def test_the_core_never_imports_the_tools_or_the_command_line():
     offenders = {name: sorted(t for t in edges[name] if part(t) in ("tools", "command line")) for name in core}
     assert not any(offenders.values()), offenders
     assert any(part(t) == "tools" for t in edges["acc_trainer.cli"])  # the command line dispatches to them
-    below = [name for name in edges if part(name) not in ("training", "trained", "tools", "command line", "acc_trainer")]
+    above = ("training", "after_training", "trained", "tools", "command line", "acc_trainer")
+    below = [name for name in edges if part(name) not in above]
     upward = {name: sorted(t for t in edges[name] if part(t) == "training") for name in below}
     assert not any(upward.values()), upward
 
@@ -310,3 +311,14 @@ def test_only_main_decides_hands_the_main_process_answer_to_the_others():
     assert calls["accelerate.utils.broadcast_object_list"] == {"distributed/processes.py"}
     raw = {call: modules for call, modules in calls.items() if call.startswith("torch.distributed")}
     assert raw == {"torch.distributed.barrier": {"cli.py"}, "torch.distributed.nn.all_reduce": {"workload/models.py"}}
+
+
+def test_the_old_name_of_after_training_still_imports():
+    """`trained/` became `after_training/` (a name read apart from `training/`); imports written for the old name get
+    the same module objects."""
+    import acc_trainer
+    from acc_trainer.after_training import consolidating, inference
+    from acc_trainer.trained import consolidating as old_consolidating
+    from acc_trainer.trained.inference import evaluate
+
+    assert evaluate is inference.evaluate is acc_trainer.evaluate and old_consolidating is consolidating

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode  # torch's documented home of it; no public alias
 
-from acc_trainer.language import preference
+from acc_trainer.objectives import dpo as preference
 from acc_trainer.workload import losses
 
 VOCABULARY, ROWS, TOKENS = 1000, 6, 37

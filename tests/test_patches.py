@@ -11,7 +11,7 @@ import accelerate.optimizer
 import accelerate.utils.other
 import pytest
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator, PartialState, launchers
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState
 from accelerate.utils import extract_model_from_parallel
@@ -73,6 +73,8 @@ def test_what_each_patch_relies_on_is_where_it_was_written_for():
             text for text in ("_prepare_sd_options(fsdp_plugin)", "_get_model_state_dict(")
             if text in inspect.getsource(function)}
     assert "_worker_info" in vars(worker) and "return _worker_info" in inspect.getsource(get_worker_info)
+    # bitsandbytes_not_refused: the check notebook_launcher calls by its module's name
+    assert 'are_libraries_initialized("bitsandbytes")' in inspect.getsource(launchers.notebook_launcher)
     metric = pytest.importorskip("torchmetrics").Metric
     assert "distributed_available_fn" in inspect.getsource(metric.__init__)
     assert "self.distributed_available_fn" in inspect.getsource(metric.sync)

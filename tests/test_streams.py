@@ -188,7 +188,7 @@ def test_an_unreadable_shard_stops_every_process_after_a_checkpoint(runs):
 
 
 def test_a_finished_model_evaluates_and_predicts_a_stream(runs):
-    """acc_trainer.trained.inference on a stream: every sample once (31 in global batches of 8 on 2 processes), the
+    """acc_trainer.after_training.inference on a stream: every sample once (31 in global batches of 8 on 2 processes), the
     results and the predictions, in the stream's order, those of the same samples held in memory."""
     reference = json.loads((runs["one"] / "inference_map.json").read_text())
     for where in ("one", "two"):

@@ -8,6 +8,7 @@ import json
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +42,10 @@ def runs(tmp_path_factory):
              "TRACKIO_DIR": "trackio"}  # nothing written outside the test's folders
     variables = {"WANDB_MODE": "offline", "WANDB_CONSOLE": "off", "WANDB_PROJECT": "w-env",
                  "MLFLOW_EXPERIMENT_NAME": "m-env", **{k: str(folder / v) for k, v in homes.items()}}
+    # trackio reads TRACKIO_DIR once, when first imported: one imported already in this process (TRL's trainers import
+    # it, and another test of this worker may have imported them) would write its store outside the test's folders.
+    for name in [name for name in sys.modules if name == "trackio" or name.startswith("trackio.")]:
+        del sys.modules[name]
     try:
         with pytest.MonkeyPatch.context() as env:
             env.setattr(MLflowTracker, "start", start)

@@ -1,10 +1,12 @@
-"""`acc-trainer bench-lm` on chat data and preference pairs: acc_trainer against TRL's SFTTrainer and DPOTrainer
-(acc_trainer/tools/trl_bench.py), made tiny: the example's workloads cut to a few files, a small model, 3 steps of 4
-samples (the first not timed), one process. Each row's tokens/s is what that run's own step logs counted and timed."""
+"""`acc-trainer bench-lm` on chat data, preference pairs and prompts: acc_trainer against TRL's SFTTrainer, DPOTrainer
+and GRPOTrainer (acc_trainer/tools/trl_bench.py), made tiny: the example's workloads cut to a few files, a small model,
+3 steps of 4 samples (GRPO: of 64 completions; the first step not timed), one process. Each row's tokens/s is what that
+run's own step logs counted and timed."""
 
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -109,3 +111,72 @@ def test_trl_gets_the_chat_template_acc_trainer_gets(tmp_path, monkeypatch):
                       cwd=EXAMPLES)
     assert (result.returncode, result.stdout) == (2, "") and result.stderr.count("\n") == 1, result.stderr
     assert f"--chat-template {template} has no {{% generation %}} blocks" in result.stderr
+
+
+GRPO_TINY = ["--processes", "1", "--steps", "3", "--warmup", "1", "--repeats", "1", "--log-every", "1"]
+
+
+def grpo_rows(stdout: str) -> dict[str, list[str]]:
+    """The printed GRPO table: loop -> its cells after the loop's name."""
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 11 and cells[1] == "1":
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_grpo_bench_runs_both_loops_on_the_same_prompts_and_reports_what_their_logs_counted(tmp_path, monkeypatch):
+    """examples/arithmetic_grpo_bench.yaml (the arithmetic example's model, prompts and reward, 64 completions a step
+    of at most 3 tokens) for 3 steps on one process: both loops generated 64 completions a step from the same prompts
+    (the dataset's, tokenized alike), trained on exactly the tokens they generated (the generation's forwards are not
+    counted as trained), and the table's figures are those of their step logs."""
+    out = tmp_path / "bench"
+    result = run_here("bench-lm", "--config", "arithmetic_grpo_bench.yaml", *GRPO_TINY, "--bench-dir", out,
+                      cwd=EXAMPLES)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = grpo_rows(result.stdout)
+    assert set(table) == {"acc_trainer", "TRL GRPOTrainer"}
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import arithmetic_grpo
+
+    tokenizer = arithmetic_grpo.tokenizer()
+    dataset = {" ".join(map(str, tokenizer(p["prompt"], add_special_tokens=False).input_ids))
+               for p in arithmetic_grpo.prompt_sets()[0]}
+    logs, speeds = {}, {}
+    for loop, title in (("acc_trainer", "acc_trainer"), ("trl", "TRL GRPOTrainer")):
+        log = logs[loop] = step_log(out, loop)
+        assert [r["step"] for r in log] == [1, 2, 3]
+        for r in log:
+            assert r["completions"] == len(r["prompts"]) == 64 and set(r["prompts"]) <= dataset
+            assert 64 <= r["generated"] <= 64 * 3  # each completion 1 to --max-completion-length tokens
+        for before, r in zip(log, log[1:]):  # the timed steps: the loss counted every token generated and no more
+            assert r["samples"] == 64 and r["tokens"] == r["generated"]  # (the generation's forwards are not counted)
+            assert 0 < r["generation_s"] < r["rollout_s"] < r["time"] - before["time"]  # sampling in rollout in step
+        seconds = log[2]["time"] - log[0]["time"]
+        speeds[loop] = sum(r["tokens"] + r["generated"] for r in log[1:]) / seconds
+        cells = table[title]
+        assert float(cells[1].replace(",", "")) == round(speeds[loop])
+        assert float(cells[2].replace(",", "")) == pytest.approx(128 / seconds, abs=0.051)  # completions a second
+        for cell, name in ((cells[6], "generation_s"), (cells[7], "rollout_s")):  # each one's share of the seconds
+            assert float(cell.rstrip("%")) == pytest.approx(100 * sum(r[name] for r in log[1:]) / seconds, abs=0.051)
+    # The same prompts at each step (the first epoch deals them in the same order in both), each prompt's G rows
+    assert [r["prompts"] for r in logs["acc_trainer"]] == [r["prompts"] for r in logs["trl"]]
+    assert all(r["prompts"].count(p) == 8 for r in logs["trl"] for p in r["prompts"])
+    assert float(table["TRL GRPOTrainer"][3]) == pytest.approx(speeds["acc_trainer"] / speeds["trl"], abs=1e-3)
+    report = json.loads((out / "bench.json").read_text())
+    assert report["mode"] == "grpo" and report["setup"]["dropout"] is False and report["setup"]["autocast"] is False
+    # The wrapper times acc_trainer's rollout as acc_trainer's own generation_time_s does (metrics.jsonl)
+    (ours,) = report["runs"]["acc_trainer@1"]
+    assert ours["logged_generation_time_s"] == pytest.approx(
+        statistics.mean(r["rollout_s"] for r in logs["acc_trainer"][1:]), rel=0.05, abs=2e-3)
+
+
+@pytest.mark.parametrize("option, says", [
+    (["--grpo-beta", "0.1"], "--grpo-beta needs a reference model"),
+    (["--log-completions", "5"], "--log-completions would apply to acc_trainer's loop only"),
+    (["--loss-type", "bnpo", "--processes", "1,2"], "--loss-type bnpo normalises by each process's micro-batch")])
+def test_grpo_options_trl_would_run_differently_are_refused(option, says):
+    result = run_here("bench-lm", "--config", "arithmetic_grpo_bench.yaml", *GRPO_TINY, *option, cwd=EXAMPLES)
+    assert (result.returncode, result.stdout) == (2, "") and result.stderr.count("\n") == 1, result.stderr
+    assert says in result.stderr

@@ -32,9 +32,21 @@ def requested() -> str:
     return "DDP"
 
 
+def check_4bit(engine: str) -> None:
+    """A 4-bit base (--load-in-4bit's, or a model given in 4 bits) trains under DDP: one line, before the first step,
+    for an engine that cannot hold one."""
+    if engine in ("FSDP", "DEEPSPEED"):
+        raise ConfigError(f"the accelerate config selects {'FSDP' if engine == 'FSDP' else 'DeepSpeed'}, which cannot hold "
+                          "a 4-bit base (it would shard or flatten bitsandbytes' packed weights apart from their "
+                          "quantization state): train --load-in-4bit under DDP (--multi_gpu, or accelerate_configs/"
+                          "cpu_ddp.yaml)")
+
+
 def check_deepspeed(cfg: TrainConfig) -> None:
     """Checked before the process group exists: Accelerate would fail inside its setup, or quietly
     train something else."""
+    if cfg.load_in_4bit:
+        check_4bit("DEEPSPEED")
     missing = [name for name in ("deepspeed", "transformers") if importlib.util.find_spec(name) is None]
     if missing:  # Accelerate 1.15's DeepSpeed setup imports transformers too
         raise ConfigError(f"the accelerate config selects DeepSpeed, which needs {' and '.join(missing)}: "
@@ -100,6 +112,8 @@ def _deepspeed_file(cfg: TrainConfig, path: str) -> dict:
 
 def check_fsdp(cfg: TrainConfig) -> None:
     """Checked before the process group exists: FSDP setups that cannot run on these processes, one line each."""
+    if cfg.load_in_4bit:
+        check_4bit("FSDP")
     offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
     if offload and (cfg.cpu or not torch.cuda.is_available()):  # torch would fail in pin_memory, mid-setup
         raise ConfigError("fsdp_offload_params: true moves the weights between a GPU and the CPU's memory, and these "

@@ -17,6 +17,7 @@ import tempfile
 from functools import partial, update_wrapper
 from pathlib import Path
 
+from .. import patches
 from ..config import ConfigError
 
 
@@ -34,7 +35,8 @@ def launch_in_notebook(function, args: tuple = (), num_processes: int | None = N
         result = Path(folder) / "main.pkl"
         # named as the function (torch's launcher names its processes' entry point after it)
         keeping = update_wrapper(partial(_keep_result, function, result), function)
-        notebook_launcher(keeping, args, num_processes=num_processes, **launcher_options)
+        with patches.bitsandbytes_not_refused():  # peft imports it; CUDA was checked above (_check_can_fork)
+            notebook_launcher(keeping, args, num_processes=num_processes, **launcher_options)
         if not result.exists():
             raise RuntimeError("the main process ended without returning (its error is printed above)")
         with open(result, "rb") as f:

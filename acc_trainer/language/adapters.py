@@ -5,15 +5,21 @@ peft's LoRA layers of rank R: only the adapters train. The run folder then holds
 format (`adapter_config.json`, `adapter_model.safetensors`: `PeftModel.from_pretrained(base, run_dir)`), and
 with `--lora-merge` the merged model in `merged/` (`from_pretrained` for a transformers model).
 
+With `--load-in-4bit` (QLoRA) the base is the --init-from folder's model in 4 bits (workload/quantized.py), or a
+model given in 4 bits: checked and prepared as peft prepares a k-bit model (`base_in_4bit`, `apply_lora`).
+
 A checkpoint of a model with frozen parameters (LoRA, `--freeze`) holds the parameters that train, every
-buffer, the optimizer and the run's state, not the frozen weights: on resume they are built again the way
-the run built them (the model's factory under the run's seed, `--init-from` read again, the LoRA layers
-added), and a digest of them taken at the start of the run, kept in the checkpoint, proves they are the same.
+buffer, the optimizer and the run's state, not the frozen weights (nor a 4-bit weight's quantization state): on
+resume they are built again the way the run built them (the model's factory under the run's seed, `--init-from`
+read again, the LoRA layers added), and a digest of them taken at the start of the run, kept in the checkpoint,
+proves they are the same.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -22,6 +28,8 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, TrainConfig, first_line
+from ..distributed import engines
+from ..workload import quantized
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # peft's task types by the transformers class's name: a sequence classifier's new head then trains beside the adapters.
@@ -36,7 +44,7 @@ def is_peft(model) -> bool:
 def apply_lora(cfg: TrainConfig, model):
     """The model wrapped in LoRA layers of rank --lora (peft's get_peft_model, which freezes the rest)."""
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     except ImportError:
         raise ConfigError('--lora needs peft: pip install peft (or pip install -e ".[peft]")') from None
     if is_peft(model) or any(hasattr(m, "lora_A") for m in model.modules()):
@@ -52,6 +60,8 @@ def apply_lora(cfg: TrainConfig, model):
                         lora_dropout=cfg.lora_dropout, target_modules=targets, task_type=task)
     try:
         with _old_names_quiet():
+            if quantized.is_4bit(model):  # as peft prepares a k-bit base: every base weight frozen, norms in float32
+                prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # --gradient-checkpointing's
             wrapped = get_peft_model(model, config)
         # get_peft_model records the model's own name_or_path (none for a model built from its config)
         for adapter in wrapped.peft_config.values():
@@ -62,6 +72,23 @@ def apply_lora(cfg: TrainConfig, model):
             raise ConfigError(f"--lora-targets {','.join(cfg.lora_targets or [targets])}: no such layer in "
                               f"{type(model).__name__} (its layers: {_layer_names(model)})") from None
         raise ConfigError(f"--lora: {first_line(e)}") from None
+
+
+def base_in_4bit(cfg: TrainConfig, model, job, engine: str, out):
+    """The model; when the run trains on a 4-bit base (--load-in-4bit, or a model given in 4 bits to fit()), checked
+    (LoRA, DDP, the reference), with --init-from's report, the base's kind and memory, in `out` (the run's Tuning:
+    summary.json's `init`, the start line's note). The command line's base was loaded in 4 bits where its workload was
+    built (quantized.load); a model given to fit() that is not in 4 bits names the architecture, as a factory does."""
+    if not (cfg.load_in_4bit or quantized.is_4bit(model)):
+        return model
+    if not quantized.is_4bit(model):
+        model, job.init = quantized.load(cfg, lambda: model, job.model_name)
+    engines.check_4bit(engine)
+    quantized.check(cfg, given=job.init is None)
+    base = quantized.memory(model)
+    out.init = {**(job.init or {"from": None, "loaded": 0, "reset": [], "missing": [], "unexpected": []}), "in_4bit": base}
+    out.notes.append(quantized.note(job.init, base))
+    return model
 
 
 def _base_folder(cfg: TrainConfig) -> str | None:
@@ -101,7 +128,10 @@ def parameter_counts(model, frozen_for_now: list | None = None) -> dict:
 
 
 def _size(p) -> int:
-    """A parameter's number of elements; a ZeRO-3 partition's whole parameter's (DeepSpeed's ds_numel)."""
+    """A parameter's number of elements; a ZeRO-3 partition's whole parameter's (DeepSpeed's ds_numel), a 4-bit
+    weight's before it was packed (two to a byte)."""
+    if type(p).__name__ == quantized.FOUR_BIT and getattr(p, "quant_state", None) is not None:
+        return math.prod(p.quant_state.shape)
     return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
 
 
@@ -136,9 +166,18 @@ def found_again(model, names: set) -> list:
 
 def without_frozen(model, state: dict) -> dict:
     """`state` (the model's state dict) less the frozen parameters (tied names included): what a checkpoint keeps.
-    An OrderedDict, as a state dict is: Accelerate then writes a tensor shared by two names (tied weights) once."""
+    An OrderedDict, as a state dict is: Accelerate then writes a tensor shared by two names (tied weights) once. A
+    frozen 4-bit weight goes with its quantization state, which bitsandbytes writes beside it under its name
+    (`...weight.absmax`, `...weight.quant_map`, `...weight.quant_state.bitsandbytes__nf4`)."""
     frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
-    return OrderedDict((k, v) for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.data_ptr() in frozen))
+    dropped = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.data_ptr() in frozen}
+    return OrderedDict((k, v) for k, v in state.items() if k not in dropped and not _state_of(k, dropped))
+
+
+def _state_of(key: str, weights: set) -> bool:
+    """Whether `key` names a part of one of `weights` (a 4-bit weight's quantization state: `<weight>.absmax`)."""
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in weights for i in range(1, len(parts)))
 
 
 def check_frozen(resume: Path, saved: dict | None, model) -> None:
@@ -253,3 +292,28 @@ def load_adapter(base, folder: Path):
             return PeftModel.from_pretrained(base, str(folder))
     except Exception as e:  # noqa: BLE001 - an adapter that does not fit the model given is the user's input
         raise ConfigError(f"the adapter in {folder} does not load into {type(base).__name__}: {first_line(e)}") from None
+
+
+def freeze(cfg: TrainConfig, model, out) -> None:
+    """--freeze. Parameters frozen for good stop needing gradients (DDP then leaves them out); ones that
+    --unfreeze-at will train keep theirs, and their gradients are dropped before each step until then (so DDP
+    syncs the same parameters all run, and an optimizer with weight decay leaves them untouched). BatchNorm
+    layers whose parameters are all frozen keep their running statistics (evaluation mode while frozen). `out`: the
+    run's Tuning (training/setup.py), given the frozen parameters, their names and norm layers, and the note."""
+    if cfg.freeze:
+        if cfg.unfreeze_at is not None and engines.requested() == "DEEPSPEED":
+            raise ConfigError("--unfreeze-at: DeepSpeed steps its optimizer inside the backward pass, before frozen "
+                              "gradients can be dropped; use DDP or FSDP, or --freeze alone")
+        pattern = re.compile(cfg.freeze)
+        names = {name for name, _ in model.named_parameters() if pattern.search(name)}
+        if not names:
+            raise ConfigError(f"--freeze {cfg.freeze!r} matches no parameter (names such as "
+                              f"{next(iter(dict(model.named_parameters())), '-')!r})")
+        out.frozen, out.frozen_names = [p for name, p in model.named_parameters() if name in names], names
+        for p in out.frozen:
+            p.requires_grad_(cfg.unfreeze_at is not None)
+        frozen = {id(p) for p in out.frozen}
+        out.frozen_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                            and any(True for _ in m.parameters()) and all(id(p) in frozen for p in m.parameters())]
+        out.notes.append(f"frozen: {len(names)} parameters matching {cfg.freeze!r}"
+                         + (f", trained from epoch {cfg.unfreeze_at}" if cfg.unfreeze_at else ""))

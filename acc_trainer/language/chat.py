@@ -1,6 +1,6 @@
-"""Text as users bring it, turned into token ids and labels with the run's tokenizer: chat transcripts
-(`{"messages": [{"role", "content"}, ...]}`), prompt/completion pairs (text or messages), plain text (`{"text": ...}`
-or strings), and preference pairs (prompt, chosen, rejected) for DPO.
+"""Text as users bring it, turned into token ids and labels with the run's tokenizer: chat (`{"messages": [...]}`),
+prompt/completion pairs (text or messages), plain text (`{"text": ...}` or strings), preference pairs (prompt, chosen,
+rejected) for DPO, and prompts alone for GRPO (`tokenize_prompt`).
 
 The labels are those TRL 1.16's trainers build, token for token (tests/test_chat.py compares them):
 - `messages`: the assistant's tokens. A chat template with `{% generation %}` blocks marks them itself (transformers'
@@ -40,7 +40,6 @@ from ..data.kinds import is_stream
 from .pretrained import load_tokenizer
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-KINDS = ("messages", "prompt_completion", "preference", "text")
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for generation blocks
 
 
@@ -62,10 +61,11 @@ def sample_kind(sample, index: int | None = None) -> str | None:
         return "preference"
     if "messages" in sample:
         return "messages"
+    if "prompt" in sample and "completion" not in sample:
+        return "prompt"  # a prompt alone: what --objective grpo generates from
     if "prompt" in sample or "completion" in sample:
-        if "prompt" not in sample or "completion" not in sample:
-            missing = "completion" if "prompt" in sample else "prompt"
-            raise ConfigError(f"{where}has no {missing!r}: prompt/completion data holds both")
+        if "prompt" not in sample:
+            raise ConfigError(f"{where}has no 'prompt': prompt/completion data holds both")
         return "prompt_completion"
     if "text" in sample and isinstance(sample["text"], str):
         return "text"
@@ -84,6 +84,23 @@ def tokenize_sample(tokenizer, sample, train_on_prompt: bool = False, max_length
     labels = list(ids) if train_on_prompt else [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
     ids = _cut(ids, max_length, truncation, index)
     return {"input_ids": ids, "labels": labels[:len(ids)]}
+
+
+def tokenize_prompt(tokenizer, sample: Mapping, max_length: int | None = None, index: int | None = None) -> list[int]:
+    """A prompt to generate from (--objective grpo) as TRL's GRPOTrainer tokenizes it: text as it is, messages through
+    the template with the generation prompt (and `tools`); no special tokens added, never cut (one line instead)."""
+    _check_field(sample, "prompt", index)
+    if isinstance(prompt := sample["prompt"], list):
+        _check_template(tokenizer, index)
+        _check_messages(prompt, index)
+        ids = _template_ids(tokenizer, prompt, index, tools=_tools(sample, index, True), add_generation_prompt=True)
+    else:
+        _need_tokenizer(tokenizer, index)
+        ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if not ids or (max_length is not None and len(ids) > max_length):
+        raise ConfigError(f"{_where(index)}is a prompt of {len(ids)} tokens: a prompt holds from 1 to --max-length "
+                          f"{max_length} tokens (a cut prompt would ask another question)")
+    return ids
 
 
 def tokenize_pair(tokenizer, sample: Mapping, max_length: int | None = None, truncation: str = "keep_start",
@@ -373,6 +390,9 @@ class Tokenized(Dataset):
                                   f"{_kind_name(kind)} data: a set holds one kind")
             if kind == "preference":
                 self._add_pair(tokenizer, sample, i, max_length, truncation)
+            elif kind == "prompt":  # its index in the set keys its completions' sampling (objectives/sampling.py)
+                ids = torch.tensor(tokenize_prompt(tokenizer, sample, max_length, i), dtype=torch.long)
+                self.samples.append({"prompt_ids": ids, "index": i, "row": dict(sample)})
             else:
                 self._add_sample(tokenizer, sample, i, train_on_prompt, max_length, truncation)
 
@@ -398,7 +418,7 @@ class Tokenized(Dataset):
             self.dropped += 1
             return
         self.labelled += len(out["chosen_ids"]) + len(out["rejected_ids"])
-        self.samples.append(out)
+        self.samples.append({**out, "margin": float(sample["margin"])} if "margin" in sample else out)  # reward models
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -408,8 +428,7 @@ class Tokenized(Dataset):
 
 
 def _kind_name(kind: str | None) -> str:
-    return {"messages": "chat", "prompt_completion": "prompt/completion", "preference": "preference",
-            "text": "text"}.get(kind, "token (not text)")
+    return {"messages": "chat", "prompt_completion": "prompt/completion"}.get(kind, kind or "token (not text)")
 
 
 def first_sample(dataset):
@@ -444,7 +463,7 @@ class TextSets:
         cfg, self.kind = self.cfg, kind
         self.sets = [Tokenized(s, self.tokenizer, kind, cfg.train_on_prompt, cfg.max_length, cfg.truncation)
                      for s in (train, eval_) if s is not None]
-        if not len(self.sets[0]):
+        if not len(self.sets[0]) and kind != "prompt":
             raise ConfigError(f"the training set of {name} has no sample left with a token to learn (each was cut "
                               f"to --max-length {cfg.max_length} before its completion)")
         self.note = self._note(name)
@@ -452,12 +471,14 @@ class TextSets:
 
     def collate(self) -> Callable | None:
         """The padding collate for unpacked SFT text data (None: not text data, or packed, or preference pairs)."""
-        if self.kind in (None, "preference") or self.cfg.pack is not None:
+        if self.kind in (None, "preference", "prompt") or self.cfg.pack is not None:
             return None
         return pad_collate(pad_id(self.tokenizer))
 
     def _note(self, name: str) -> str:
         train = self.sets[0]
+        if self.kind == "prompt":
+            return f"{name}: {len(self.sets[0])} prompts tokenized, to generate from"
         what = {"messages": "the assistant's tokens", "prompt_completion": "the completions' tokens",
                 "text": "every token", "preference": "chosen and rejected completions"}[self.kind]
         if self.cfg.train_on_prompt and self.kind != "preference":

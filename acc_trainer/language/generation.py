@@ -132,7 +132,7 @@ def generated_rows(model, tokenizer, batch, max_new_tokens: int, answers: bool =
     prompts, references = [], []
     for i, row in enumerate(ids):
         kept = mask[i].bool() if mask is not None else slice(None)
-        start = _answer_start(labels[i][kept]) if labels is not None else len(row[kept])
+        start = answer_start(labels[i][kept]) if labels is not None else len(row[kept])
         prompts.append(row[kept][:start])
         references.append(row[kept][start:])
     texts = continuations(model, tokenizer, prompts, max_new_tokens)
@@ -141,7 +141,7 @@ def generated_rows(model, tokenizer, batch, max_new_tokens: int, answers: bool =
             for prompt, text, reference in zip(prompts, texts, references, strict=True)]
 
 
-def _answer_start(labels: torch.Tensor) -> int:
+def answer_start(labels: torch.Tensor) -> int:
     """Where the last run of labelled tokens begins (the last answer); the whole sample when nothing before it is
     left unlabelled (text, every token labelled)."""
     marked = (labels != IGNORE_INDEX).nonzero().flatten().tolist()

@@ -77,8 +77,9 @@ class Progress:
     def step(self) -> None:
         self.steps += 1
 
-    def log(self, step: int, epoch: int, loss: float, lr: float, samples_per_s: float) -> None:
-        self.stats = f"loss {loss:.4f}  lr {lr:.3g}  {samples_per_s:,.0f} samples/s"
+    def log(self, step: int, epoch: int, loss: float, lr: float, samples_per_s: float, reward: float | None = None) -> None:
+        self.stats = f"loss {loss:.4f}  " + (f"reward {reward:.4f}  " if reward is not None else "") + \
+            f"lr {lr:.3g}  {samples_per_s:,.0f} samples/s"
         if self.enabled and self._bars is None:
             print(f"epoch {epoch + 1}/{self.epochs or '?'}  step {step}/{self.total_steps or '?'}  {self.stats}",
                   file=self.console.file, flush=True)

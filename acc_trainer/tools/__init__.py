@@ -4,5 +4,5 @@ check_rows.py, the faults it injects in check_faults.py and the samples it watch
 sweep` (sweep.py, with its space file in sweep_space.py and its results in sweep_results.py) and their figures
 (figures.py). They measure and draw the training core from outside; the core never imports them.
 
-May import: the base, data, workload, distributed, language, outputs, training.
+May import: the base, data, workload, distributed, language, objectives, outputs, training.
 """

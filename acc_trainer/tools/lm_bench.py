@@ -14,8 +14,8 @@ median over repeats and acc_trainer's ratios to the two others (quotients of tho
 
     cd examples && acc-trainer bench-lm --config stdlib_lm_bench.yaml --processes 1,2 --repeats 3
 
-On text data (chat messages, prompt/completion) or with --objective dpo, the command measures acc_trainer against
-TRL's SFTTrainer or DPOTrainer instead (trl_bench.py).
+On text data (chat messages, prompt/completion) or with --objective dpo or grpo, the command measures acc_trainer
+against TRL's SFTTrainer, DPOTrainer or GRPOTrainer instead (trl_bench.py).
 
 The loops also run on their own: `python -m acc_trainer.tools.lm_bench --loop hf_trainer|accelerate --steps N
 --warmup W --config '{...}'` (under `accelerate launch` for several processes) prints one `LM_BENCH {...}` line.
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "on one causal language model.")
     parser.add_argument("--processes", default="1,2", help="process counts to run, e.g. 1,2 (default: 1,2)")
     parser.add_argument("--loops", help=f"loops to run (default: {','.join(LOOPS)}; on chat data or with --objective "
-                                        "dpo: acc_trainer,trl, TRL's SFTTrainer or DPOTrainer: trl_bench.py)")
+                                        "dpo or grpo: acc_trainer,trl, TRL's SFTTrainer, DPOTrainer or GRPOTrainer: "
+                                        "trl_bench.py)")
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps per run (default: 25)")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the timing (default: 5)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each loop; the median counts (default: 3)")

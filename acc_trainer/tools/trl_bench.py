@@ -1,10 +1,10 @@
-"""`acc-trainer bench-lm` on chat data and preference pairs: acc_trainer against TRL's SFTTrainer (supervised
-fine-tuning on chat messages) and DPOTrainer (DPO on prompt/chosen/rejected pairs), the trainers a fine-tuner would
-pick instead (docs/language-models.md#speed-against-trl).
+"""`acc-trainer bench-lm` on chat data, preference pairs and prompts: acc_trainer against TRL's SFTTrainer (supervised
+fine-tuning on chat messages), DPOTrainer (DPO on prompt/chosen/rejected pairs) and GRPOTrainer (GRPO on prompts with
+reward functions), the trainers a fine-tuner would pick instead (docs/language-models.md#speed-against-trl).
 
 lm_bench.main hands a workload over here when its samples are text (chat messages, prompt/completion, text) or its
-objective is DPO. Both loops get the same model (built from the same factory and seed), the same samples, the same
---max-length (kept from the start), the same per-process and global batch, the same steps, AdamW at a constant
+objective is DPO or GRPO. Both loops get the same model (built from the same factory and seed), the same samples,
+the same --max-length (kept from the start), the same per-process and global batch, the same steps, AdamW at a constant
 learning rate with the same clipping, and the same precision; each runs in a launch of its own (`accelerate launch
 --multi_gpu` for several processes), in rotating order within each repeat. TRL gets what makes it train the same
 thing: `assistant_only_loss=True` for messages (acc_trainer's loss is on the assistant's tokens by default), packing
@@ -23,7 +23,22 @@ those logs: the tokens of every process in the steps after --warmup, over rank 0
 Tokens: for supervised fine-tuning the labelled next tokens (the tokens the loss counts), for DPO the non-padding
 tokens of the chosen and rejected sequences (samples: pairs).
 
+GRPO (--objective grpo): both loops get the same model, prompts (each loop's first epoch deals them in the same order:
+the step logs show the same prompts at each step, the bench checks it), reward functions and weights, G
+(--num-generations), --max-completion-length, --temperature, --top-p, --top-k, --epsilon(-high), --num-iterations,
+--scale-rewards, --loss-type, --mask-truncated-completions, beta 0 (TRL's default), the same global batch of
+completions and per-process batch (TRL: per_device_train_batch_size counts completions, steps_per_generation =
+--grad-accum, so generation_batch_size is the global batch and both generate once per optimizer step), dropout off
+(TRL disable_dropout=True, as acc_trainer), TRL generating with transformers' generate (no vLLM). Tokens: the
+completion tokens generated (up to and with each one's end-of-sequence token) plus the completion tokens the loss
+counts, in the training forwards (the ones that build a graph: the generation's forwards do not count); samples:
+completions trained on. Each process also times, with the same wrapper in both, its sampling (acc_trainer's
+generate_group, a prompt's G rows at a time; TRL's _generate_single_turn, its whole batch at once) and its rollout
+(sampling, rewards, advantages: acc_trainer's GRPO.rollout, TRL's _generate_and_score_completions), and records
+from which prompts it generated.
+
     cd examples && acc-trainer bench-lm --config stdlib_sft_bench.yaml --processes 1,2 --repeats 3
+    cd examples && acc-trainer bench-lm --config arithmetic_grpo_bench.yaml --processes 1,2 --repeats 5 --steps 100 --warmup 10
 """
 
 from __future__ import annotations
@@ -40,18 +55,21 @@ from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
 from .bench import OPTIMIZER_SHAPING, launched, machine_description, refuse_own_options, tf32_as_acc_trainer
+from .trl_counting import Counter, logged_window
 
 LOOPS = ("acc_trainer", "trl")
 # Options that trl_loop does not give TRL's trainer: with any of them the two loops would not compute the same thing.
 ONLY_ACC_TRAINER = ("lora", "pack", "compile", "ema", "micro_batch", "freeze", "init_from", "label_smoothing",
                     "gradient_checkpointing", *OPTIMIZER_SHAPING)
-STEPS_LOG = "bench-steps-rank{rank}.jsonl"
+# GRPO's options that TRL's GRPOTrainer does differently or not at all, as the bench sets it up.
+ONLY_ACC_TRAINER_GRPO = ("log_completions",)
 
 
 def mode_of(cfg: TrainConfig) -> str | None:
-    """"sft" for text samples, "dpo" for the DPO objective, None for anything else (token blocks: lm_bench's)."""
-    if cfg.objective == "dpo":
-        return "dpo"
+    """"sft" for text samples, "dpo" and "grpo" for those objectives, None for anything else (token blocks:
+    lm_bench's)."""
+    if cfg.objective in ("dpo", "grpo"):
+        return cfg.objective
     from ..language.chat import sample_kind
 
     train = samples(cfg)
@@ -88,7 +106,31 @@ def _check_trl_takes_the_template(cfg: TrainConfig) -> None:
 
 
 def titles(mode: str) -> dict[str, str]:
-    return {"acc_trainer": "acc_trainer", "trl": "TRL SFTTrainer" if mode == "sft" else "TRL DPOTrainer"}
+    return {"acc_trainer": "acc_trainer", "trl": {"sft": "TRL SFTTrainer", "dpo": "TRL DPOTrainer",
+                                                  "grpo": "TRL GRPOTrainer"}[mode]}
+
+
+def check_grpo(cfg: TrainConfig, processes: list[int]) -> None:
+    """What TRL's GRPOTrainer cannot be given as acc_trainer runs it, in one line before anything runs."""
+    from ..objectives.rewards import ModelReward, reward_functions
+
+    refuse_own_options(cfg, ONLY_ACC_TRAINER_GRPO, "bench-lm against TRL's GRPOTrainer", "TRL's logs its completions "
+                       "its own way")
+    if cfg.grpo_beta:
+        raise ConfigError("bench-lm against TRL's GRPOTrainer: --grpo-beta needs a reference model, which TRL 1.16 "
+                          "loads again from the model's hub name (create_model_from_path), and a model from a factory "
+                          "has none: leave --grpo-beta at 0, TRL's default")
+    if cfg.loss_type == "bnpo" and (max(processes) > 1 or cfg.grad_accum > 1):
+        raise ConfigError("bench-lm against TRL's GRPOTrainer: --loss-type bnpo normalises by each process's "
+                          "micro-batch in TRL, by the global batch in acc_trainer (the same on 1 process without "
+                          "accumulation only): take another --loss-type, or --processes 1 and --grad-accum 1")
+    functions = reward_functions(cfg.rewards or [])
+    if not functions:
+        raise ConfigError("bench-lm with --objective grpo needs --rewards (the same functions for both loops)")
+    models = [f.name for f in functions if isinstance(f.fn, ModelReward)]
+    if models:
+        raise ConfigError(f"bench-lm against TRL's GRPOTrainer: {', '.join(models)} is a reward model, which TRL "
+                          "tokenizes its own way: give reward functions")
 
 
 def samples(cfg: TrainConfig) -> list:
@@ -123,91 +165,6 @@ def workload(cfg: TrainConfig):
     return model, train, load_chat_template(load_tokenizer(cfg.tokenizer), cfg.chat_template)  # the same in both
 
 
-# ---------------------------------------------------------------------- what each process measures
-
-
-class Counter:
-    """The tokens of each training forward of `model`, and the clock at each optimizer step, written by each process
-    to `folder`/bench-steps-rank<R>.jsonl. The counts stay tensors until the end (no device sync per step); on a GPU
-    the clock syncs at the two steps that bound the timing."""
-
-    def __init__(self, model, mode: str, warmup: int, steps: int):
-        import torch
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self.mode, self.bounds = mode, (warmup, steps)
-        self.forwards: list = []  # (tokens, samples) of the forwards since the last step
-        self.records: list[dict] = []
-        self.setup: dict | None = None
-        self.cuda = torch.cuda.is_available()
-        model.register_forward_pre_hook(self._forward, with_kwargs=True)
-        self._handle = register_optimizer_step_post_hook(self._step)
-
-    def _forward(self, module, args, kwargs) -> None:
-        import torch
-
-        if not (module.training and torch.is_grad_enabled()):  # evaluation, or a reference model's forward
-            return
-        if self.setup is None:  # what both loops must share, read where it acts
-            device = next(module.parameters()).device.type
-            self.setup = {"autocast": torch.is_autocast_enabled(device) and str(torch.get_autocast_dtype(device)),
-                          "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False)),
-                          "dropout": any(m.p > 0 for m in module.modules() if isinstance(m, torch.nn.Dropout)),
-                          "threads": torch.get_num_threads()}
-        if self.mode == "sft":
-            labels = kwargs["labels"]
-            self.forwards.append(((labels[:, 1:] != -100).sum(), labels.shape[0]))
-        else:  # chosen and rejected rows together (or one forward each): pairs are half the rows
-            mask = kwargs["attention_mask"]
-            self.forwards.append((mask.sum(), mask.shape[0] / 2))
-
-    def _step(self, optimizer, args, kwargs) -> None:
-        import torch
-
-        if self.cuda and len(self.records) + 1 in self.bounds:
-            torch.cuda.synchronize()
-        if not self.records:
-            group = optimizer.param_groups[0]
-            self.setup = {**(self.setup or {}), "optimizer": type(optimizer).__name__, "lr": group["lr"],
-                          "weight_decay": group["weight_decay"], "betas": list(group["betas"]),
-                          "implementation": "fused" if group.get("fused") else "foreach" if group.get("foreach")
-                          else "for-loop"}
-        self.records.append({"step": len(self.records) + 1, "time": time.perf_counter(), "cpu": time.process_time(),
-                             "forwards": self.forwards})
-        self.forwards = []
-
-    def write(self, folder: Path, rank: int) -> None:
-        self._handle.remove()
-        lines = [json.dumps({"step": r["step"], "time": r["time"], "cpu": r["cpu"],
-                             "tokens": int(sum(int(t) for t, _ in r["forwards"])),
-                             "samples": sum(s for _, s in r["forwards"])}) for r in self.records]
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / STEPS_LOG.format(rank=rank)).write_text("\n".join([json.dumps({"setup": self.setup}), *lines]) + "\n")
-
-
-def logged_window(folder: Path, warmup: int, steps: int) -> dict:
-    """A run's speed from its processes' step logs: the tokens (and samples) of every process in steps warmup+1 ..
-    steps, over rank 0's seconds from the end of step `warmup` to the end of step `steps`, and over the CPU seconds
-    every process spent in them (`time.process_time`: the work, not the waits for a core another job holds); the
-    warm-up's seconds from the end of step 1."""
-    logs = sorted(folder.glob(STEPS_LOG.format(rank="*")), key=lambda p: int(p.stem.rpartition("rank")[2]))
-    per_rank = [[json.loads(line) for line in p.read_text().splitlines()] for p in logs]
-    setup = per_rank[0][0]["setup"]
-    per_rank = [records[1:] for records in per_rank]
-    for records in per_rank:
-        if [r["step"] for r in records] != list(range(1, len(records) + 1)) or len(records) != steps:
-            raise RuntimeError(f"{folder}: the step log has {len(records)} steps, not {steps}")
-    clock = {r["step"]: r["time"] for r in per_rank[0]}
-    timed = [r for records in per_rank for r in records if warmup < r["step"] <= steps]
-    seconds = clock[steps] - clock[warmup]
-    tokens, samples = sum(r["tokens"] for r in timed), sum(r["samples"] for r in timed)
-    cpu = sum(records[steps - 1]["cpu"] - records[warmup - 1]["cpu"] for records in per_rank)
-    return {"tokens": tokens, "samples": samples, "time_s": seconds, "tokens_per_s": tokens / seconds,
-            "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu,
-            "samples_per_s": samples / seconds, "warmup_s": clock[warmup] - clock[1], "world_size": len(per_rank),
-            "setup": setup}
-
-
 # ---------------------------------------------------------------------- the two loops
 
 
@@ -219,14 +176,25 @@ def acc_trainer_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, outpu
     keep_freed_memory()
     model, train, tokenizer = workload(cfg)
     counter = Counter(model, mode, warmup, steps)
+    if mode == "grpo":
+        from ..objectives import grpo
+        from ..objectives.sampling import completion_mask
+
+        def sampled(seconds, made, model, prompt, keys, s, *args, **kwargs):
+            if keys is not None:  # training's (evaluation's greedy completions have no keys)
+                counter.generated(completion_mask(made, s.eos)[0].sum(1).tolist(), [prompt.tolist()] * len(made),
+                                  seconds)
+
+        counter.timed(grpo, "generate_group", sampled)  # a prompt's G completions, as GRPO._generated calls it
+        counter.timed(grpo.GRPO, "rollout", lambda seconds, *args, **kwargs: counter.rolled_out(seconds))
     run_cfg = replace(cfg, max_steps=steps, output_dir=output_dir, plots=False, progress="plain")
     summary = fit(model, train, None, tokenizer=tokenizer, config=run_cfg)
     return counter, summary["world_size"]
 
 
 def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: str) -> tuple:
-    """TRL's SFTTrainer or DPOTrainer on the same samples, set up as TRL's documentation does for a model object,
-    with the options above."""
+    """TRL's SFTTrainer, DPOTrainer or GRPOTrainer on the same samples, set up as TRL's documentation does for a model
+    object, with the options above."""
     import torch
     from datasets import Dataset
 
@@ -250,7 +218,9 @@ def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: s
     # AdamW as acc_trainer runs it: fused with --fused-optimizer (TRL's own default, adamw_torch_fused), else foreach on
     # a GPU and torch's default on a CPU (build_optimizer)
     same_adamw = None if cfg.fused_optimizer else (torch.optim.AdamW, {"lr": cfg.lr, **implementation(cfg)})
-    if mode == "sft":
+    if mode == "grpo":
+        trainer = _grpo_trainer(cfg, model, train, tokenizer, common, counter)
+    elif mode == "sft":
         from trl import SFTConfig, SFTTrainer
 
         messages = "messages" in train[0]  # prompt/completion: TRL's completion-only loss (its default) does it
@@ -268,6 +238,39 @@ def trl_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, output_dir: s
     return counter, trainer.args.world_size
 
 
+def _grpo_trainer(cfg: TrainConfig, model, train: list, tokenizer, common: dict, counter: Counter):
+    """TRL's GRPOTrainer with acc_trainer's GRPO options, generating with transformers, its sampling and rollout
+    timed by `counter` (only in training: evaluation is not run)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ..objectives.rewards import reward_functions
+
+    functions = reward_functions(cfg.rewards or [])
+    args = GRPOConfig(
+        **{k: v for k, v in common.items() if k != "max_length"},  # no truncation of prompts in TRL's GRPO
+        num_generations=cfg.num_generations, steps_per_generation=cfg.grad_accum,  # a generation per optimizer step
+        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k, beta=cfg.grpo_beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+        num_iterations=cfg.num_iterations, scale_rewards=cfg.scale_rewards, loss_type=cfg.loss_type,
+        mask_truncated_completions=cfg.mask_truncated_completions, reward_weights=[f.weight for f in functions],
+        disable_dropout=True,  # acc_trainer's GRPO turns dropout off (TRL's default leaves it on)
+        use_vllm=False, use_transformers_continuous_batching=False, log_completions=False)
+
+    def sampled(seconds, result, trainer, prompt_ids, *args, **kwargs):
+        if trainer.model.training:
+            counter.generated([len(c) for c in result[0]], [list(p) for p in prompt_ids], seconds)
+
+    def rolled_out(seconds, result, trainer, *args, **kwargs):
+        if trainer.model.training:
+            counter.rolled_out(seconds)
+
+    counter.timed(GRPOTrainer, "_generate_single_turn", sampled)  # the step's completions, one generate() call
+    counter.timed(GRPOTrainer, "_generate_and_score_completions", rolled_out)
+    return GRPOTrainer(model=model, reward_funcs=[f.fn for f in functions], args=args,
+                       train_dataset=Dataset.from_list(train), processing_class=tokenizer)
+
+
 # ---------------------------------------------------------------------- the harness
 
 
@@ -283,11 +286,42 @@ def run_loop(loop: str, processes: int, cfg: TrainConfig, mode: str, args, folde
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - started
     if result.returncode != 0 or "TRL_BENCH done" not in result.stdout:
-        raise RuntimeError(f"{titles(mode)[loop]} on {processes} process(es) failed:\n{result.stderr[-3000:]}")
+        first = result.stderr.find("Traceback (most recent call last)")  # a process's own, before the launcher's
+        cause = result.stderr[first:first + 3000] + "\n...\n" if 0 <= first < len(result.stderr) - 3000 else ""
+        raise RuntimeError(f"{titles(mode)[loop]} on {processes} process(es) failed (exit code {result.returncode}):\n"
+                           f"{cause}{result.stderr[-3000:]}")
     measured = logged_window(run_dir, args.warmup, args.steps)
     if measured["world_size"] != processes:
         raise RuntimeError(f"{titles(mode)[loop]} launched on {processes} processes ran as {measured['world_size']}")
+    if mode == "grpo" and loop == "acc_trainer":
+        measured["logged_generation_time_s"] = logged_generation_time(run_dir, args.warmup, cfg.log_every)
     return {**measured, "wall_s": wall, "run_dir": str(run_dir)}
+
+
+def logged_generation_time(run_dir: Path, warmup: int, every: int) -> float | None:
+    """acc_trainer's own `generation_time_s` (a step's rollout, the slowest process's; metrics.jsonl) averaged over the
+    log intervals after the warm-up: a check of the bench's wrapper around its rollout."""
+    log = run_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    values = [r["generation_time_s"] for r in lines if "generation_time_s" in r and r["step"] - every >= warmup]
+    return statistics.mean(values) if values else None
+
+
+def check_same_work(runs: dict[str, list[dict]], first_epoch: int) -> None:
+    """GRPO: within each repeat, the loops on as many processes generated as many completions at every step, from the
+    same prompts (as token ids) at each of the first `first_epoch` steps: after the first epoch each loop shuffles its
+    own way (TRL's sampler goes on with its generator, acc_trainer's reseeds with --seed + epoch)."""
+    for n in sorted({name.split("@")[1] for name in runs}):
+        for a, b in zip(runs.get(f"acc_trainer@{n}", []), runs.get(f"trl@{n}", [])):
+            if a["completions_by_step"] != b["completions_by_step"]:
+                raise RuntimeError(f"on {n} process(es) the loops generated different numbers of completions a step: "
+                                   f"{a['completions_by_step']} against {b['completions_by_step']}")
+            differ = [i + 1 for i, (x, y) in enumerate(zip(a["prompts_by_step"][:first_epoch],
+                                                          b["prompts_by_step"][:first_epoch])) if x != y]
+            if differ:
+                raise RuntimeError(f"on {n} process(es) the loops generated from different prompts at step {differ[0]} "
+                                   "(tokenized differently, or dealt in another order): the prompts are in their runs' "
+                                   f"bench-steps-rank<R>.jsonl ({a['run_dir']}, {b['run_dir']})")
 
 
 def check_alike(runs: dict[str, list[dict]]) -> None:
@@ -298,6 +332,10 @@ def check_alike(runs: dict[str, list[dict]]) -> None:
         if len({json.dumps(m["setup"], sort_keys=True) for measured in mine.values() for m in measured}) != 1:
             raise RuntimeError("the loops did not train alike (precision, checkpointing, dropout, threads, optimizer):\n"
                                + "\n".join(f"{name}: {measured[0]['setup']}" for name, measured in mine.items()))
+
+
+GRPO_FIGURES = ("trained_tokens_per_s", "generated_tokens_per_s", "generation_share", "rollout_share",
+                "generation_s_per_step")
 
 
 def summarise(runs: dict[str, list[dict]]) -> list[dict]:
@@ -311,7 +349,9 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
                      "tokens_per_s_all": speeds, "samples_per_s": statistics.median(m["samples_per_s"] for m in measured),
                      "tokens_per_cpu_s": statistics.median(m["tokens_per_cpu_s"] for m in measured), "cpu_ratio": None,
                      "warmup_s": statistics.median(m["warmup_s"] for m in measured), "repeats": len(speeds),
-                     "ratio": None, "ratios": None, "ratios_median": None})
+                     "ratio": None, "ratios": None, "ratios_median": None,
+                     **({name: statistics.median(m[name] for m in measured) for name in GRPO_FIGURES}
+                        if "generation_share" in measured[0] else {})})
     ours = {r["processes"]: r for r in rows if r["loop"] == "acc_trainer"}
     for r in rows:
         mine = ours.get(r["processes"])
@@ -332,7 +372,9 @@ def setup_text(setup: dict, threads: dict[int, int]) -> str:
 
 
 def markdown(rows: list[dict], cfg: TrainConfig, mode: str, args, machine: str, load: str, setup: dict,
-             threads: dict[int, int]) -> str:
+             threads: dict[int, int], runs: dict[str, list[dict]] | None = None) -> str:
+    if mode == "grpo":
+        return grpo_markdown(rows, cfg, args, machine, load, setup, threads, runs or {})
     what = "labelled next tokens" if mode == "sft" else "non-padding tokens of chosen + rejected"
     per = "samples/s" if mode == "sft" else "pairs/s"
     lines = [f"# bench-lm ({'supervised fine-tuning' if mode == 'sft' else 'DPO'}): {cfg.model} on {cfg.dataset}, "
@@ -358,6 +400,49 @@ def markdown(rows: list[dict], cfg: TrainConfig, mode: str, args, machine: str, 
     return "\n".join(lines)
 
 
+def grpo_markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, load: str, setup: dict,
+                  threads: dict[int, int], runs: dict[str, list[dict]]) -> str:
+    lines = [f"# bench-lm (GRPO): {cfg.model} on {cfg.dataset}, rewards {', '.join(cfg.rewards or [])}, global batch "
+             f"{cfg.batch_size} completions ({cfg.batch_size // cfg.num_generations} prompts x G "
+             f"{cfg.num_generations}), at most {cfg.max_completion_length} tokens each, temperature {cfg.temperature:g}, "
+             f"top-p {cfg.top_p:g}, top-k {cfg.top_k}, loss {cfg.loss_type}, beta {cfg.grpo_beta:g}, {args.steps} "
+             f"steps ({args.warmup} of warm-up not timed), precision {cfg.mixed_precision or 'no'}", "",
+             f"Machine: {machine}; {load}. Median of {args.repeats} runs per loop, in rotating order.", "",
+             f"Both loops, as read in their processes: {setup_text(setup, threads)}.", "",
+             "| loop | processes | tokens/s (generated + trained) | completions/s | acc_trainer vs it | each repeat "
+             "(median) | runs (tokens/s) | generating (share of a step) | rollout (share) | tokens per CPU s "
+             "| acc_trainer vs it (CPU) |",
+             "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        each = "-" if r["ratios"] is None else f"{', '.join(f'{x:.3f}' for x in r['ratios'])} ({r['ratios_median']:.3f})"
+        lines.append(f"| {titles('grpo')[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['samples_per_s']:,.1f} | {ratio} | {each} | "
+                     f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} | {r['generation_share']:.1%} | "
+                     f"{r['rollout_share']:.1%} | {r['tokens_per_cpu_s']:,.0f} | "
+                     f"{'-' if r['cpu_ratio'] is None else format(r['cpu_ratio'], '.3f')} |")
+    logged = [m.get("logged_generation_time_s") for name, measured in runs.items() if name.startswith("acc_trainer")
+              for m in measured]
+    check = ""
+    if logged and None not in logged:
+        rollout = [m["time_s"] * m["rollout_share"] / (args.steps - args.warmup) for name, measured in runs.items()
+                   if name.startswith("acc_trainer") for m in measured]
+        check = (f" acc_trainer's own generation_time_s (metrics.jsonl, a step's rollout) was "
+                 f"{statistics.median(logged):.4f} s a step in its runs' median, the bench's wrapper "
+                 f"{statistics.median(rollout):.4f} s.")
+    lines += ["", "tokens/s: the completion tokens generated (each up to and with its end-of-sequence token) plus the "
+              "completion tokens the loss counts in the training forwards, per second over the timed steps, every process "
+              "together, from each run's own step logs (bench-steps-rank<R>.jsonl); completions/s: the completions "
+              "trained on. Generating: the share of the timed steps' seconds spent sampling (acc_trainer's "
+              "generate_group, a prompt's G rows at a time; TRL's _generate_single_turn, its whole batch in one "
+              "generate call), rollout: sampling, rewards and advantages (acc_trainer's GRPO.rollout, TRL's "
+              "_generate_and_score_completions), each process's share, their mean. acc_trainer vs it: acc_trainer's "
+              "median over this loop's, on as many processes; each repeat: acc_trainer's run over this loop's run of the "
+              "same repeat. Tokens per CPU s: the same tokens over the CPU seconds of every process in the timed steps."
+              + check, ""]
+    return "\n".join(lines)
+
+
 def machine_load() -> str:
     """The 1-minute load average and how many Python processes run (the bench's own included)."""
     count = subprocess.run(["pgrep", "-fc", "python"], capture_output=True, text=True).stdout.strip() or "?"
@@ -370,12 +455,14 @@ def main(args, cfg: TrainConfig, mode: str, console) -> None:
     loops = args.loops or list(LOOPS)
     unknown = sorted(set(loops) - set(LOOPS))
     if unknown:
-        raise ConfigError(f"--loops on {'chat data' if mode == 'sft' else 'preference pairs'} takes "
-                          f"{', '.join(LOOPS)}, not {','.join(loops)!r}")
-    if cfg.max_length is None:
+        data = {"sft": "chat data", "dpo": "preference pairs", "grpo": "prompts (--objective grpo)"}[mode]
+        raise ConfigError(f"--loops on {data} takes {', '.join(LOOPS)}, not {','.join(loops)!r}")
+    if cfg.max_length is None and mode != "grpo":  # GRPO's prompts are not cut (acc_trainer refuses longer ones)
         raise ConfigError("bench-lm on text data needs --max-length (the same truncation in both loops)")
     refuse_own_options(cfg, ONLY_ACC_TRAINER, "bench-lm against TRL", "TRL's is set up for the full model, "
                        "unpacked, eager, with AdamW from --lr")
+    if mode == "grpo":
+        check_grpo(cfg, args.processes)
     folder = Path(args.bench_dir or f"runs/bench-{mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = replace(cfg, output_dir=None)
@@ -392,12 +479,15 @@ def main(args, cfg: TrainConfig, mode: str, console) -> None:
             console.print(f"  repeat {repeat + 1}/{args.repeats}  {loop:>11} x{n}: "
                           f"{result['tokens_per_s']:>10,.0f} tokens/s", markup=False)
     check_alike(runs)
+    if mode == "grpo":
+        prompts_a_step = cfg.batch_size // cfg.num_generations
+        check_same_work(runs, len(samples(cfg)) // prompts_a_step * cfg.num_iterations)
     rows = summarise(runs)
     machine = machine_description()
     load = f"1-minute load average {load} at the start, {machine_load()} at the end"
     setup = next(iter(runs.values()))[0]["setup"]
     threads = {int(name.split("@")[1]): measured[0]["setup"]["threads"] for name, measured in runs.items()}
-    table = markdown(rows, cfg, mode, args, machine, load, setup, threads)
+    table = markdown(rows, cfg, mode, args, machine, load, setup, threads, runs)
     report = {"mode": mode, "workload": cfg.to_dict(), "steps": args.steps, "warmup": args.warmup,
               "machine": machine, "load": load, "setup": setup, "rows": rows, "runs": runs}
     (folder / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -409,7 +499,7 @@ def main(args, cfg: TrainConfig, mode: str, console) -> None:
 def loop_main() -> None:
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
     parser.add_argument("--loop", choices=LOOPS, required=True)
-    parser.add_argument("--mode", choices=("sft", "dpo"), required=True)
+    parser.add_argument("--mode", choices=("sft", "dpo", "grpo"), required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--output-dir", required=True)

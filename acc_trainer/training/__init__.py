@@ -2,5 +2,5 @@
 the others (loop.py), the one evaluation path (evaluation.py), the run's progress (state.py) and its end
 (summary.py).
 
-May import: the base, data, workload, distributed, language, outputs.
+May import: the base, data, workload, distributed, language, objectives, outputs.
 """

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from accelerate.utils import set_seed
 
+from .. import objectives
 from ..config import ConfigError, TrainConfig, did_you_mean, make_config
 from ..distributed import processes
 from ..language import chat
@@ -42,7 +43,7 @@ def train(cfg: TrainConfig) -> dict:
 
 def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
         optimizer=None, scheduler=None, tokenizer=None, config: TrainConfig | None = None, on_evaluation=None,
-        **options) -> dict:
+        rewards=None, judge=None, **options) -> dict:
     """Train `model` (a plain nn.Module) on `train_data`, evaluating on `eval_data` after every epoch (or every
     `eval_every` steps).
 
@@ -68,19 +69,13 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     if options.get("lr") == "find":
         options["lr"] = _found_lr(model, train_data, options, loss=loss, metrics=metrics, collate_fn=collate_fn,
                                   forward=forward, optimizer=optimizer, tokenizer=tokenizer, config=config)
-    factories = {}
-    for name, given, kind in (("optimizer", optimizer, torch.optim.Optimizer),
-                              ("scheduler", scheduler, torch.optim.lr_scheduler.LRScheduler)):
-        if isinstance(given, kind):
-            factory = "factory(param_groups)" if name == "optimizer" else "factory(optimizer, total_steps)"
-            raise ConfigError(f"fit: {name}= takes a name or a {factory}, "
-                              f"not a {type(given).__name__} object: the trainer builds the parameter groups")
-        if isinstance(given, str):
-            options[name] = given
-        elif given is not None:
-            factories[name] = components._callable(given, repr(given), f"fit: {name}")
+    factories = _factories(optimizer, scheduler, options)
     if isinstance(tokenizer, str):
         options["tokenizer"], tokenizer = tokenizer, None
+    if rewards is not None and all(isinstance(r, str) for r in rewards):  # import paths: config.yaml names them
+        options["rewards"], rewards = list(rewards), None
+    if judge is not None and all(isinstance(j, str) for j in judge):
+        options["judge"], judge = list(judge), None
     # config.yaml names the loss and metrics given by name or import path, and `config=` gives them back (not a
     # function of the script itself, __main__, which no other process could import)
     loss_path = loss if isinstance(loss, str) else components.function_name(loss) if callable(loss) else None
@@ -94,8 +89,9 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
                                   forward or cfg.forward, cfg.pack, cfg.data_pipeline, chat.text_sets(cfg, tokenizer))
     job.optimizer, job.scheduler = factories.get("optimizer"), factories.get("scheduler")
     job.on_evaluation = on_evaluation
-    given = {"loss": loss, "metrics": metrics, "collate_fn": collate_fn, "forward": forward, "optimizer": optimizer,
-             "scheduler": scheduler, "tokenizer": tokenizer}
+    job.objective = objectives.of(cfg, rewards, judge) if rewards is not None or judge is not None else None
+    given = {"rewards": rewards, "judge": judge, "loss": loss, "metrics": metrics, "collate_fn": collate_fn, "forward": forward,
+             "optimizer": optimizer, "scheduler": scheduler, "tokenizer": tokenizer}
     job.unnamed = _unnamed(cfg, job, given)
     with _random_state_kept(), accelerate_marks_undone(model):
         _fresh_accelerator_state()
@@ -192,6 +188,22 @@ def _concluded(test: lr_range.RangeTest, folder, schedule: lr_range.Schedule, ti
     return processes.main_decides(lambda: lr_range.conclude(test, folder, schedule, title))
 
 
+def _factories(optimizer, scheduler, options: dict) -> dict:
+    """fit()'s optimizer= and scheduler=: a name goes to `options`, a factory is returned; an object is one line."""
+    factories = {}
+    for name, given, kind in (("optimizer", optimizer, torch.optim.Optimizer),
+                              ("scheduler", scheduler, torch.optim.lr_scheduler.LRScheduler)):
+        if isinstance(given, kind):
+            factory = "factory(param_groups)" if name == "optimizer" else "factory(optimizer, total_steps)"
+            raise ConfigError(f"fit: {name}= takes a name or a {factory}, "
+                              f"not a {type(given).__name__} object: the trainer builds the parameter groups")
+        if isinstance(given, str):
+            options[name] = given
+        elif given is not None:
+            factories[name] = components._callable(given, repr(given), f"fit: {name}")
+    return factories
+
+
 def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[str, ...]:
     """What fit() was given that config.yaml cannot name (config.yaml's first line says it: RunFiles.write_config): the
     model and the data, and the functions and objects without an import path."""
@@ -200,7 +212,9 @@ def _unnamed(cfg: TrainConfig, job: components.Workload, given: dict) -> tuple[s
     for name, value in given.items():
         if value is None or isinstance(value, str) or recorded.get(name) is not None:
             continue
-        label = ", ".join(value) if isinstance(value, dict) else getattr(value, "__name__", type(value).__name__)
+        label = ", ".join(value) if isinstance(value, dict) else ", ".join(
+            getattr(v, "__name__", type(v).__name__) for v in value) if isinstance(value, (list, tuple)) else \
+            getattr(value, "__name__", type(value).__name__)
         unnamed.append(f"{name} {label}")
     return tuple(unnamed)
 

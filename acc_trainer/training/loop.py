@@ -166,7 +166,7 @@ def train_epoch(r: Run, signals: StopSignals) -> None:
     items, item_scale = checked.items, checked.item_scale
     guarded, channels_last = r.job.data.kind.train.guarded, cfg.channels_last
     _training_mode(r)
-    batches = _epoch_batches(r)
+    batches = r.job.objective.rollouts(r, _epoch_batches(r))  # GRPO: the step's completions generated first
     clock.paused(forget=True)  # the epoch's start (after an evaluation) is not waiting for data
     watch = r.watch
     watch.at("data")
@@ -228,7 +228,7 @@ def _epoch_batches(r: Run):
     else:
         r.output.progress.new_epoch(r.epoch, done=state.step - r.epoch * r.shape.per_epoch)
         # The epoch seeds the shuffle; a resumed epoch skips the micro-batches it has already seen.
-        seen = (state.step - r.epoch * r.shape.per_epoch) * r.cfg.grad_accum
+        seen = _loader_steps(r, state.step - r.epoch * r.shape.per_epoch) * r.cfg.grad_accum
         batches = r.accelerator.skip_first_batches(r.loaders.train, seen) if seen else r.loaders.train
         batches.set_epoch(r.epoch)
         # On a GPU, batches made on the device go on a side stream, beside the step before theirs.
@@ -236,6 +236,11 @@ def _epoch_batches(r: Run):
     if r.loaders.augment:
         r.loaders.augment.set_epoch(r.epoch)  # and each sample's augmentation, whatever process or batch reads it
     return batches
+
+
+def _loader_steps(r: Run, steps: int) -> int:
+    """The loader's steps behind `steps` optimizer steps: one each, or one per --num-iterations (GRPO)."""
+    return steps // r.job.objective.iterations  # a resume inside a generation is refused at setup
 
 
 def _training_mode(r: Run) -> None:
@@ -338,11 +343,13 @@ def log_interval(r: Run) -> None:
         "data_time_s": waited / steps,
         "flops_per_s": r.trained.flops * steps * cfg.batch_size / elapsed if r.trained.flops else None,
     }
+    figures = r.job.objective.read_figures(r.accelerator)  # GRPO: rewards, completion lengths, KL, clipping, entropy
+    record.update(figures)
     r.output.files.log(record)
     if cfg.log_with:
-        r.accelerator.log({"train/loss": record["loss"], **{f"train/{k}": v for k, v in interval.parts.items()},
+        r.accelerator.log({"train/loss": record["loss"], **{f"train/{k}": v for k, v in {**interval.parts, **figures}.items()},
                            "train/lr": record["lr"], "train/samples_per_s": record["samples_per_s"]}, step=state.step)
-    r.output.progress.log(state.step, r.epoch, record["loss"], record["lr"], record["samples_per_s"])
+    r.output.progress.log(state.step, r.epoch, record["loss"], record["lr"], record["samples_per_s"], figures.get("reward"))
     state.losses.restart(state.step)
     r.clock.restart()
 

@@ -118,7 +118,7 @@ def _fits(cfg: TrainConfig, job: Workload, model: torch.nn.Module, batch, device
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             kept = [torch.zeros_like(p) for p in trainable for _ in range(slots)]
-            if getattr(getattr(job.forward, "reference", None), "mode", None) == "copy":  # DPO's frozen copy, to come
+            if job.objective is not None and job.objective.copies_weights:  # a reference's frozen copy, to come
                 kept += [torch.zeros_like(t) for t in [*model.parameters(), *model.buffers()]]
             model.train()
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):

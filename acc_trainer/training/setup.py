@@ -11,7 +11,6 @@ the EMA weights (the trackers, built here, start in trackers.py).
 from __future__ import annotations
 
 import math
-import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -21,9 +20,16 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, TorchDynamoPlugin, set_seed
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+    set_seed,
+)
 
-from .. import patches
+from .. import objectives, patches
 from ..config import ConfigError, TrainConfig
 from ..data import augment as augmentation
 from ..data.datasets import steps_per_epoch
@@ -31,7 +37,7 @@ from ..data.loaders import build_loaders, dataloader_config, on_device
 from ..distributed import engines, processes
 from ..distributed.processes import Group
 from ..distributed.watchdog import Idle
-from ..language import adapters, preference, pretrained
+from ..language import adapters, pretrained
 from ..outputs import checkpoints, moving, trackers
 from ..outputs.checkpoints import BEST, Checkpoints
 from ..outputs.progress import Progress, engine_name
@@ -49,7 +55,7 @@ from .state import Clock, IntervalLosses, RunState
 
 @dataclass
 class Tuning:
-    """--init-from's report and --freeze's parameters and norm layers (`_starting_weights`, `_freeze`)."""
+    """--init-from's report and --freeze's parameters and norm layers (`_starting_weights`, adapters.freeze)."""
 
     init: dict | None = None
     frozen: list = field(default_factory=list)  # parameters frozen until --unfreeze-at (or for good)
@@ -141,6 +147,7 @@ class Run:
     epoch: int = 0
     stream_resume: dict | None = None  # how a resumed stream reached its position (streams.StreamLoader.resumed)
     tables: dict = field(default_factory=dict)  # the last evaluation's tables: confusion_matrix, per_class
+    given: TrainConfig | None = None  # the options as given (GRPO's batch in completions; `cfg`'s in prompts)
 
     @property
     def world(self) -> int:
@@ -170,17 +177,18 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     checkpoint when resuming), and only then the run folder: a failed start leaves nothing behind."""
     started = time.perf_counter()
     group = group or processes.start(cfg)
+    given, cfg = cfg, _per_step(cfg, job)
     processes.warn_if_one_process_was_meant(group.state)
     processes.check_topology(cfg, group.state)
     world = group.state.num_processes
-    origin, given = _origin(cfg, job, group), cfg
+    origin = _origin(cfg, job, group)
     # Before the Accelerator: how DDP wraps the model depends on what the first samples show.
     cfg, checked, said = _shaped(cfg, job, group, origin)
     # DDP fails at the second step when a parameter gets no gradient, unless it looks for such parameters
     # after every backward pass (a cost): asked for only when the first samples leave some unused.
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and world > 1 else []
     regional = cfg.compile and group.engine == "DDP" and bool(repeated_blocks(job.model))
-    accelerator = accelerator_for(cfg, group, origin.folder, ddp, compile_whole=not regional)
+    accelerator = accelerator_for(cfg, group, origin.folder, ddp, not regional, job.objective.reads_ahead)
     model, augment = _pieces(cfg, job, accelerator, group.engine, checked)
     if cfg.gradient_checkpointing:
         pretrained.gradient_checkpointing(model)
@@ -197,13 +205,11 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
         model = sync_batchnorm(model, accelerator.device.type)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    _freeze(cfg, model, tuning)  # before the groups and prepare
+    adapters.freeze(cfg, model, tuning)  # before the groups and prepare
     cfg, checked, said = _sized(cfg, job, model, group, accelerator, checked, said)  # --micro-batch auto: tried now
     scoring = _scoring(cfg, checked, augment)
     notes += said + tuning.notes + ([f"--compile: {compile_blocks(model)} repeated blocks compiled in place"] if regional else [])
-    frozen = adapters.frozen_digest(model)
-    if origin.resumed and origin.resumed.get("frozen"):
-        adapters.check_frozen(origin.resume, origin.resumed["frozen"], model)
+    frozen = _frozen_digest(model, origin)
     optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed, group.engine)
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
                                               accelerator.process_index, processes.summing(accelerator), job.dataset_name)
@@ -222,15 +228,33 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     output = _output(given, accelerator, origin, state, shape, job.unnamed)  # config.yaml: the options as given
     with _released_on_failure(output.files):
         r = Run(cfg, job, accelerator, group.engine, trained, scoring, Loaders(train_loader, eval_loader, augment), shape,
-                output, state, Clock(StepGaps(accelerator.device), logged_step=state.step), notes, started)
+                output, state, Clock(StepGaps(accelerator.device), logged_step=state.step), notes, started, given=given)
         _announce(r)
     return r
+
+
+def _frozen_digest(model, origin: _Origin) -> dict | None:
+    """The digest of the frozen weights (checkpoints keep the trainable ones), checked against a resumed run's."""
+    frozen = adapters.frozen_digest(model)
+    if origin.resumed and origin.resumed.get("frozen"):
+        adapters.check_frozen(origin.resume, origin.resumed["frozen"], model)
+    return frozen
+
+
+def _per_step(cfg: TrainConfig, job: Workload) -> TrainConfig:
+    """The run's objective (fit's, or --objective's), and the configuration its loaders deal a step in."""
+    job.objective = job.objective or objectives.of(cfg)
+    return job.objective.per_step(cfg)
 
 
 def _shaped(cfg: TrainConfig, job: Workload, group: Group, origin: _Origin) -> tuple[TrainConfig, Checked, list[str] | None]:
     """The objective's pieces and the first-sample check on a process's micro-batch, once --micro-batch N has set the
     accumulation; with what the start line says of the micro-batch, None while `auto` has sizes to try (`_sized`)."""
-    preference.objective(cfg, job)  # --objective dpo: its forward, loss, metrics and collate
+    job.objective.shape(cfg, job)  # its forward, loss, metrics and collate
+    iterations, step = job.objective.iterations, (origin.resumed or {}).get("step", 0)
+    if step % iterations:  # GRPO's generation trained on for several steps: resumed only at its first
+        raise ConfigError(f"{origin.resume} is at step {step}, inside a generation trained on for --num-iterations "
+                          f"{iterations} steps: resume from a checkpoint at a multiple of {iterations}")
     settled = micro_batch.given(cfg, group, origin.resumed)
     cfg, said = settled or (cfg, None)
     return cfg, _checked(cfg, job, group.engine, group.state.num_processes), said
@@ -309,9 +333,11 @@ def _start_notes(cfg: TrainConfig, origin: _Origin, world: int, data_notes: list
 
 
 def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, ddp: list | None = None,
-                    compile_whole: bool = True) -> Accelerator:
+                    compile_whole: bool = True, reads_ahead: bool = False) -> Accelerator:
     """The Accelerator of a run, or of `evaluate`/`predict` (no folder: no trackers, no compilation): the
-    precision, the loaders' configuration, the process group's timeout, and the engine set up (engines.py)."""
+    precision, the loaders' configuration, the process group's timeout, and the engine set up (engines.py).
+    `reads_ahead`: a step's micro-batches are read before its first trains (GRPO's rollout), so an accumulation ends
+    every grad_accum micro-batches, never where the loader says it has ended (the run's steps are whole anyway)."""
     training = folder is not None
     if torch.cuda.is_available() and training:  # TF32 tensor cores for float32 matmuls and convolutions (Ampere on)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
@@ -319,7 +345,8 @@ def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, 
         cpu=group.cpu,
         mixed_precision=cfg.mixed_precision,  # None: the accelerate config's choice, else "no"
         dynamo_plugin=TorchDynamoPlugin(backend="inductor") if cfg.compile and compile_whole and training else None,
-        gradient_accumulation_steps=cfg.grad_accum if training else 1,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum if training else 1,
+                                                                sync_with_dataloader=not reads_ahead),
         log_with=trackers.build(cfg, folder) or None if training else None,  # not started yet (trackers.start)
         project_config=ProjectConfiguration(project_dir=str(folder), logging_dir=str(folder / "logs"))
         if training else None,
@@ -449,7 +476,8 @@ def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = No
     run's shape. A stream that does not say its length has it learnt in its first epoch (kept in
     checkpoints): until then the run's length is unknown, which a schedule over the run's length cannot
     start without (`step` counts epochs: it needs the epoch's length)."""
-    per_epoch = steps_per_epoch(job.data, cfg) or ((resumed or {}).get("stream") or {}).get("epoch_steps")
+    per_epoch = steps_per_epoch(job.data, cfg)  # a step per loader batch, or --num-iterations (GRPO)
+    per_epoch = per_epoch * job.objective.iterations if per_epoch else ((resumed or {}).get("stream") or {}).get("epoch_steps")
     total_steps = cfg.max_steps or (cfg.epochs * per_epoch if per_epoch else None)
     if total_steps is None and (job.scheduler or cfg.scheduler not in ("constant",)):
         raise ConfigError(f"--scheduler {cfg.scheduler if not job.scheduler else 'factory'} needs the run's length, and the "
@@ -471,7 +499,8 @@ def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str
     """(the model, its Tuning): --init-from's weights (not when resuming from a checkpoint that holds them all),
     then --lora's adapters around them (adapters.py)."""
     out = Tuning()
-    if cfg.init_from and (not resumed or resumed.get("frozen")):
+    model = adapters.base_in_4bit(cfg, model, job, engine, out)  # a 4-bit base holds --init-from's weights already
+    if out.init is None and cfg.init_from and (not resumed or resumed.get("frozen")):
         report = checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
         out.init = report
         out.notes.append(f"init from {cfg.init_from}: {report['loaded']} tensors loaded" + "".join(
@@ -488,11 +517,11 @@ def _starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: str
 
 
 def _reference(cfg: TrainConfig, job: Workload, model, resumed: dict | None, accelerator: Accelerator) -> list[str]:
-    """--objective dpo: its reference fixed once the starting weights are the same on every process (a copy taken
-    before would keep each process's own), under the run's autocast (preference.start)."""
+    """The objective's start (a reference) once the starting weights are the same on every process (a copy taken
+    before would keep each process's own), under the run's autocast."""
     reload = cfg.init_from and resumed and not resumed.get("frozen")  # --init-from skipped above: the copy gets it
-    return preference.start(job.forward, model, partial(checkpoints.initial_weights, path=cfg.init_from,
-                                                        strict=cfg.init_strict) if reload else None, accelerator.autocast)
+    return job.objective.start(model, partial(checkpoints.initial_weights, path=cfg.init_from,
+                                              strict=cfg.init_strict) if reload else None, accelerator.autocast)
 
 
 def _trainable_only(models: list, weights: list, folder: str) -> None:
@@ -500,30 +529,6 @@ def _trainable_only(models: list, weights: list, folder: str) -> None:
     The best checkpoint stays whole: it is a model to use, not only a point to resume from."""
     if Path(folder).name != f".tmp-{BEST}":
         weights[0] = adapters.without_frozen(models[0], weights[0])
-
-
-def _freeze(cfg: TrainConfig, model, out: Tuning) -> None:
-    """--freeze. Parameters frozen for good stop needing gradients (DDP then leaves them out); ones that
-    --unfreeze-at will train keep theirs, and their gradients are dropped before each step until then (so DDP
-    syncs the same parameters all run, and an optimizer with weight decay leaves them untouched). BatchNorm
-    layers whose parameters are all frozen keep their running statistics (evaluation mode while frozen)."""
-    if cfg.freeze:
-        if cfg.unfreeze_at is not None and engines.requested() == "DEEPSPEED":
-            raise ConfigError("--unfreeze-at: DeepSpeed steps its optimizer inside the backward pass, before frozen "
-                              "gradients can be dropped; use DDP or FSDP, or --freeze alone")
-        pattern = re.compile(cfg.freeze)
-        names = {name for name, _ in model.named_parameters() if pattern.search(name)}
-        if not names:
-            raise ConfigError(f"--freeze {cfg.freeze!r} matches no parameter (names such as "
-                              f"{next(iter(dict(model.named_parameters())), '-')!r})")
-        out.frozen, out.frozen_names = [p for name, p in model.named_parameters() if name in names], names
-        for p in out.frozen:
-            p.requires_grad_(cfg.unfreeze_at is not None)
-        frozen = {id(p) for p in out.frozen}
-        out.frozen_norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                            and any(True for _ in m.parameters()) and all(id(p) in frozen for p in m.parameters())]
-        out.notes.append(f"frozen: {len(names)} parameters matching {cfg.freeze!r}"
-                         + (f", trained from epoch {cfg.unfreeze_at}" if cfg.unfreeze_at else ""))
 
 
 def _frozen_once_prepared(tuning: Tuning, frozen: dict | None, accelerator: Accelerator, model, engine: str) -> None:

@@ -24,7 +24,6 @@ from ..outputs.checkpoints import WRITE_ERRORS, write_failure, write_sums
 from ..outputs.progress import summary_table
 from ..outputs.runfiles import command_line
 from ..stopping import TrainingStopped
-from ..workload.first_batch import OWN
 from ..workload.measure import device_peak_flops, library_versions, peak_memory_mb, run_precision
 from ..workload.metrics import best_evaluation, ranked_by
 from .evaluation import format_results
@@ -132,8 +131,8 @@ def model_card(r: Run, module) -> str:
     and how far it got (save_weights writes it where the folder is a model folder)."""
     cfg, state, data = r.cfg, r.state, r.job.data
     base = module.get_base_model() if is_peft(module) else module
-    lines = [f"# {r.output.folder.name}", "", f"{class_name(base)} trained with acc_trainer "
-             f"({'DPO on preference pairs' if cfg.objective == 'dpo' else 'language modelling'}).", "", "## Base model",
+    what, objective = r.job.objective.card(cfg, r.scoring.checked.loss_name)
+    lines = [f"# {r.output.folder.name}", "", f"{class_name(base)} trained with acc_trainer ({what}).", "", "## Base model",
              "", f"- the model: {class_name(base)}, "
                  + ("given to fit()" if r.job.objects else f"built by `{r.job.model_name}`")]
     if getattr(getattr(base, "config", None), "name_or_path", ""):
@@ -154,10 +153,8 @@ def model_card(r: Run, module) -> str:
             count = f"{kind.length:,} samples" if kind.length is not None else "a stream"
             lines.append(f"- {split} set: {count}" + (f" (blocks of {cfg.pack} tokens)" if data.kind.packed else ""))
     lines += [f"- {note}" for note in data.notes]
-    loss = r.scoring.checked.loss_name
-    lines += ["", "## Objective", "", f"- `{cfg.objective}`: " + (
-        f"DPO's sigmoid loss, beta {cfg.dpo_beta}, the reference {_reference(cfg)}" if cfg.objective == "dpo" else
-        f"{loss if loss == OWN else f'`{loss}`'} loss"), "", "## Command", "", "```bash", command_line(cfg), "```"]
+    lines += ["", "## Objective", "", f"- `{cfg.objective}`: {objective}", "", "## Command", "", "```bash",
+              command_line(r.given or cfg), "```"]
     if r.job.unnamed:
         lines += ["", f"fit() was given objects this command cannot build ({', '.join(r.job.unnamed)}): to train it "
                       "again from the command line, name functions that build them."]
@@ -171,11 +168,6 @@ def model_card(r: Run, module) -> str:
         lines.append(f"- final evaluation, at step {final['step']:,}, on {final['samples']:,} samples: "
                      + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()))
     return "\n".join(lines) + "\n\n"  # a blank line before what peft adds after it
-
-
-def _reference(cfg: TrainConfig) -> str:
-    adapter = cfg.dpo_reference == "adapter" or (cfg.dpo_reference == "auto" and cfg.lora)
-    return "the model with its adapters off" if adapter else "a frozen copy of the starting weights"
 
 
 def run_summary(r: Run, agreement: dict) -> dict:

@@ -34,7 +34,7 @@ from ..data import packing
 from ..data.datasets import DATASETS, Data, check_data, torchvision
 from ..data.kinds import settle
 from ..data.user_data import data_from, read_files
-from . import losses
+from . import losses, quantized
 from . import metrics as builtin_metrics
 from .models import MODELS
 
@@ -63,6 +63,8 @@ class Workload:
     tokenizer: Any = None  # --tokenizer's (or fit's): saved with the weights, used for --prompts (generation.py)
     on_evaluation: Callable | None = None  # fit's: called with each evaluation (loop.keep_evaluation)
     unnamed: tuple[str, ...] = ()  # what fit() was given that config.yaml cannot name (its first line says it)
+    objective: Any = None  # what the run trains (objectives.of): set by setup, or by fit() with its reward functions
+    init: dict | None = None  # --load-in-4bit: what loaded from --init-from (quantized.load), the model in 4 bits
 
 
 def import_object(path: str, what: str) -> Any:
@@ -126,12 +128,15 @@ def build_workload(cfg: TrainConfig, text=None, trains: bool = True) -> Workload
             error = e
     if error is not None:
         raise error
-    model = build_model(cfg, data)
+    # --load-in-4bit: the factory names the architecture only (built on the meta device); --init-from's weights load
+    # into it in 4 bits (quantized.py), never a whole model in its dtype first.
+    model, init = quantized.load(cfg, lambda: build_model(cfg, data), cfg.model) if cfg.load_in_4bit else \
+        (build_model(cfg, data), None)
     loss = build_loss(cfg.loss) if cfg.loss else None
     metrics = build_metrics(cfg.metrics) if cfg.metrics is not None else None
     collate, forward = build_batching(cfg.collate, cfg.forward)
     return Workload(model, data, loss, metrics, cfg.model, cfg.dataset, cfg.loss, _text_collate(collate, text), forward,
-                    tokenizer=getattr(text, "tokenizer", None))
+                    tokenizer=getattr(text, "tokenizer", None), init=init)
 
 
 def _text_collate(collate: Callable | None, text) -> Callable | None:
@@ -330,6 +335,7 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate
     `pipeline`: --data-pipeline, `text`: see build_workload)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
+    quantized.steady(model)  # a model its user loaded in 4 bits: its layers kept as loaded (no-op for any other)
     name = type(train_data).__name__ if train_data is not None else "fit()"
     train, eval_ = text(train_data, eval_data, name) if text is not None and collate is None and \
         train_data is not None else (train_data, eval_data)

@@ -117,6 +117,8 @@ def _forward(job: Workload, batch) -> tuple[Any, Any]:
     call = job.forward or losses.forward
     try:
         result = call(job.model, batch)
+    except ConfigError:  # the forward's own one line (an objective's: a reward function that fails)
+        raise
     except MISFITS as e:
         how = f" through the forward function {_name(job.forward)}" if job.forward else ""
         raise ConfigError(f"model {job.model_name} does not take the samples of {job.dataset_name}{how} "

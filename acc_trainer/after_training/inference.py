@@ -28,13 +28,14 @@ import torch
 import torch.nn.functional as F
 from accelerate import PartialState
 
+from .. import objectives
 from ..config import ConfigError, TrainConfig, first_line
 from ..data.datasets import Data
 from ..data.faults import stream_faults, unreadable_everywhere
 from ..data.kinds import settle
 from ..data.loaders import evaluation_loader, placed, stream_evaluation
 from ..distributed import processes
-from ..language import adapters, chat, preference
+from ..language import adapters, chat
 from ..language.generation import check_generates, generated_rows
 from ..language.pretrained import load_tokenizer
 from ..outputs import checkpoints
@@ -43,7 +44,7 @@ from ..stopping import TrainingStopped
 from ..training import evaluation
 from ..training.evaluation import everyones, format_results, real_batches
 from ..training.setup import accelerator_for, training_loss
-from ..workload import components
+from ..workload import components, quantized
 from ..workload.first_batch import check_fit
 from ..workload.losses import IGNORE_INDEX, count_tokens, forward, own_items, own_loss, predictions
 from ..workload.models import accelerate_marks_undone
@@ -163,19 +164,21 @@ def ready(cfg: TrainConfig, job: components.Workload, weights: Path | None, name
     (a frozen copy of the starting weights, before the run's) or, once they are in, the model with its adapters
     off; `weights` (a run's, None: in the model already) loaded into `job.model` (`name`: the model's, in errors;
     default its class)."""
-    preference.objective(cfg, job)
-    mode = getattr(getattr(job.forward, "reference", None), "mode", None)
+    job.objective = job.objective or objectives.of(cfg)
+    job.objective.shape(cfg, job)
+    mode = job.objective.reference.mode if job.objective.reference is not None else None
     if mode == "copy":  # a frozen copy of the starting weights (LoRA's too: its new adapters added nothing yet)
         if weights is None:
-            raise ConfigError("--objective dpo compares the model with the run's starting weights: give the run folder "
-                              "(evaluate(RUN_DIR, model=..., data=...)), whose model as built is the reference")
+            raise ConfigError(f"--objective {cfg.objective} compares the model with the run's starting weights: give "
+                              "the run folder (evaluate(RUN_DIR, model=..., data=...)), whose model as built is the "
+                              "reference")
         if cfg.init_from:
             checkpoints.initial_weights(job.model, cfg.init_from, cfg.init_strict)
-        preference.start(job.forward, job.model)
+        job.objective.start(job.model)
     if weights is not None:
         job.model = _trained(job.model, weights, cfg, name)
-    if mode == "adapter":  # the run's model with its adapters switched off
-        preference.start(job.forward, job.model)
+    if mode != "copy":  # the run's model with its adapters switched off, or no reference
+        job.objective.start(job.model)
 
 
 def _verified(weights: Path, give: str, accept: bool = False) -> Path:
@@ -205,7 +208,7 @@ def _trained(model, weights: Path, cfg: TrainConfig, name: str | None = None):
     if not cfg.lora:
         _load_weights(model, weights, name or type(model).__name__)
         return model
-    if cfg.init_from:
+    if cfg.init_from and not quantized.is_4bit(model):  # a 4-bit base holds --init-from's weights (quantized.load)
         checkpoints.initial_weights(model, cfg.init_from, cfg.init_strict)
     return adapters.load_adapter(model, weights.parent)
 
@@ -254,8 +257,8 @@ def _prepared(cfg: TrainConfig, job: components.Workload, dataset, group: proces
                                    collate=job.collate)
     job.data.heads.clear()  # the first samples read for the checks at start
     model, loader = accelerator.prepare(job.model, loader)
-    if isinstance(job.forward, preference.DPOForward):  # its reference under the run's mixed precision, as the model
-        job.forward.reference.autocast = accelerator.autocast
+    if job.objective is not None and job.objective.reference is not None:  # under the run's mixed precision
+        job.objective.reference.autocast = accelerator.autocast
     return accelerator, model, loader
 
 

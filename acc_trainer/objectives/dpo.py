@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, TrainConfig
+from ..language.chat import Tokenized, pad_id, preference_collate
 from ..workload.components import Workload
 from ..workload.losses import Loss, chunked, no_cache
-from .chat import Tokenized, pad_id, preference_collate
 
 PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 FIGURES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
@@ -73,17 +73,22 @@ class Reference:
         self.autocast: Callable = contextlib.nullcontext
 
     def logps(self, model, batch: Mapping) -> torch.Tensor:
-        device = batch["input_ids"].device
-        with torch.no_grad():
-            if self.mode == "adapter" and self.started:
-                base = unwrapped(model)
-                with base.disable_adapter(), _evaluating(base):
-                    return sequence_logps(base, batch, self.autocast)
-            if self.copy is None or device.type == "meta":  # FLOPs counted on the meta device: the same forward
-                return sequence_logps(model, batch)
+        with torch.no_grad(), self.model(model, batch["input_ids"].device) as (reference, autocast):
+            return sequence_logps(reference, batch, autocast)
+
+    @contextlib.contextmanager
+    def model(self, model, device: torch.device):
+        """(the reference model, the autocast to run it under), for the forward of `model` on `device`."""
+        if self.mode == "adapter" and self.started:
+            base = unwrapped(model)
+            with base.disable_adapter(), _evaluating(base):
+                yield base, self.autocast
+        elif self.copy is None or device.type == "meta":  # FLOPs counted on the meta device: the same forward
+            yield model, contextlib.nullcontext
+        else:
             if next(self.copy.parameters()).device != device:
                 self.copy.to(device)  # once: the copy stays where it was made until the first step needs it
-            return sequence_logps(self.copy, batch, self.autocast)
+            yield self.copy, self.autocast
 
 
 @contextlib.contextmanager
@@ -151,19 +156,52 @@ def dpo_metrics(beta: float = 0.1) -> dict[str, Callable]:
     return {name: figure(name) for name in FIGURES}
 
 
+class DPO:
+    """`--objective dpo` as the run asks it (objectives/__init__.py says what each answer is for)."""
+
+    name = "dpo"
+    reads_ahead = False
+    iterations = 1
+
+    def __init__(self):
+        self.forward: DPOForward | None = None
+
+    @property
+    def reference(self) -> Reference | None:
+        return self.forward.reference if self.forward is not None else None
+
+    @property
+    def copies_weights(self) -> bool:
+        return self.reference is not None and self.reference.mode == "copy"
+
+    def per_step(self, cfg: TrainConfig) -> TrainConfig:
+        return cfg
+
+    def shape(self, cfg: TrainConfig, job: Workload) -> None:
+        objective(cfg, job)
+        self.forward = job.forward
+
+    def start(self, model: torch.nn.Module, reload: Callable | None = None, autocast: Callable | None = None) -> list[str]:
+        return start(self.forward, model, reload, autocast)
+
+    def rollouts(self, r, batches):
+        return batches
+
+    def read_figures(self, accelerator) -> dict:
+        return {}
+
+    def card(self, cfg: TrainConfig, loss: str) -> tuple[str, str]:
+        reference = "the model with its adapters off" if self.reference.mode == "adapter" else \
+            "a frozen copy of the starting weights"
+        return "DPO on preference pairs", f"DPO's sigmoid loss, beta {cfg.dpo_beta}, the reference {reference}"
+
+
 def objective(cfg: TrainConfig, job: Workload) -> None:
-    """--objective: with dpo, the workload's forward, loss, metrics and (unless the user gave one) collate become
-    DPO's; preference pairs with --objective lm, and other data with dpo, are one line."""
+    """--objective dpo: the workload's forward, loss, metrics and (unless the user gave one) collate become DPO's;
+    other data is one line."""
     if isinstance(job.forward, DPOForward):  # set already (the same workload set up again)
         return
-    pairs = _holds_pairs(job, look=cfg.objective == "dpo")
-    if cfg.objective != "dpo":
-        if pairs:
-            raise ConfigError(f"{job.dataset_name} holds preference pairs (prompt, chosen, rejected): they train with "
-                              "--objective dpo (fit(..., objective='dpo'))")
-        if cfg.dpo_beta != 0.1 or cfg.dpo_reference != "auto":
-            raise ConfigError(f"--{'dpo-beta' if cfg.dpo_beta != 0.1 else 'dpo-reference'} applies with --objective dpo")
-        return
+    pairs = holds_pairs(job, look=True)
     if not cfg.dpo_beta > 0:
         raise ConfigError(f"--dpo-beta must be positive, got {cfg.dpo_beta}")
     if cfg.train_on_prompt:
@@ -178,11 +216,7 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
             raise ConfigError(f"--objective dpo trains on preference pairs (prompt, chosen and rejected, as text or chat "
                               f"messages), and {job.dataset_name}'s samples are not such pairs")
         job.collate = preference_collate(pad_id(job.tokenizer) if job.tokenizer is not None else 0, cfg.max_length)
-    head = getattr(unwrapped(job.model), "get_output_embeddings", None)  # a transformers model says whether it has one
-    if head is not None and head() is None:
-        raise ConfigError(f"--objective dpo trains a causal language model (its next-token logits, as "
-                          f"AutoModelForCausalLM's), and {type(unwrapped(job.model)).__name__} has no language-model head "
-                          "(a sequence classifier scores whole sequences): give a causal LM")
+    causal_lm(job.model, "dpo")
     mode = cfg.dpo_reference if cfg.dpo_reference != "auto" else "adapter" if cfg.lora else "copy"
     if mode == "adapter" and not (cfg.lora or hasattr(job.model, "disable_adapter")):
         raise ConfigError("--dpo-reference adapter is the model with its LoRA adapters switched off: give --lora RANK "
@@ -190,6 +224,34 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
     job.forward, job.loss = DPOForward(Reference(mode)), dpo_loss(cfg.dpo_beta)
     job.loss_name = "dpo"
     job.metrics = {**dpo_metrics(cfg.dpo_beta), **(job.metrics or {})}
+
+
+def causal_lm(model, objective: str) -> None:
+    """A model the objective takes the next-token log-probabilities of: one line for one without a language-model
+    head (a sequence classifier scores whole sequences)."""
+    head = getattr(unwrapped(model), "get_output_embeddings", None)  # a transformers model says whether it has one
+    if head is not None and head() is None:
+        raise ConfigError(f"--objective {objective} trains a causal language model (its next-token logits, as "
+                          f"AutoModelForCausalLM's), and {type(unwrapped(model)).__name__} has no language-model head "
+                          "(a sequence classifier scores whole sequences): give a causal LM")
+
+
+def start_reference(reference: Reference, model: torch.nn.Module, reload: Callable | None = None,
+                    autocast: Callable | None = None) -> list[str]:
+    """The reference fixed once the starting weights are in place: `model` with its adapters off, or a frozen copy of
+    it (which `reload` gives --init-from's weights again on a resume), run under `autocast`."""
+    if reference.mode == "adapter" and not hasattr(unwrapped(model), "disable_adapter"):
+        raise ConfigError("the reference is the model with its LoRA adapters off, and the model has none to switch "
+                          "off; give --lora RANK (or --dpo-reference copy)")
+    if reference.mode == "copy":
+        reference.copy = copy.deepcopy(unwrapped(model)).eval().requires_grad_(False)
+        if reload is not None:
+            reload(reference.copy)
+    reference.autocast = autocast or contextlib.nullcontext
+    reference.started = True
+    what = "the model with its LoRA adapters off" if reference.mode == "adapter" else \
+        "a frozen copy of the starting weights"
+    return [f"the reference is {what}"]
 
 
 def start(forward, model: torch.nn.Module, reload: Callable | None = None, autocast: Callable | None = None) -> list[str]:
@@ -200,25 +262,17 @@ def start(forward, model: torch.nn.Module, reload: Callable | None = None, autoc
     precision). Returns what the start line says."""
     if not isinstance(forward, DPOForward):
         return []
-    reference = forward.reference
-    if reference.mode == "adapter" and not hasattr(unwrapped(model), "disable_adapter"):
+    if forward.reference.mode == "adapter" and not hasattr(unwrapped(model), "disable_adapter"):
         raise ConfigError("--dpo-reference adapter: the model has no LoRA adapters to switch off; give --lora RANK")
     dropout = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     for m in dropout:
         m.p = 0.0
-    if reference.mode == "copy":
-        reference.copy = copy.deepcopy(unwrapped(model)).eval().requires_grad_(False)
-        if reload is not None:
-            reload(reference.copy)
-    reference.autocast = autocast or contextlib.nullcontext
-    reference.started = True
-    what = "the model with its LoRA adapters off" if reference.mode == "adapter" else \
-        "a frozen copy of the starting weights"
-    return [f"--objective dpo: the reference is {what}" + (f"; dropout off in {len(dropout)} layers (as TRL's "
-                                                            "DPOTrainer)" if dropout else "")]
+    (said,) = start_reference(forward.reference, model, reload, autocast)
+    return [f"--objective dpo: {said}" + (f"; dropout off in {len(dropout)} layers (as TRL's DPOTrainer)"
+                                          if dropout else "")]
 
 
-def _holds_pairs(job: Workload, look: bool) -> bool:
+def holds_pairs(job: Workload, look: bool) -> bool:
     """Whether the training set's samples are tokenized preference pairs: the run's text tokenized as pairs, or (with
     `look`) a map-style set whose first sample is one. Other sets are not read here (a sample that cannot be read is
     --skip-bad-samples' to handle, in the loop)."""
