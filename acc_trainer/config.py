@@ -112,16 +112,15 @@ class TrainConfig:
     epsilon: float = _opt(0.2, "--objective grpo: the clipping range below 1 (and above, unless --epsilon-high)")
     epsilon_high: float | None = _opt(None, "--objective grpo: the clipping range above 1 (DAPO: 0.28)")
     num_iterations: int = _opt(1, "--objective grpo: optimizer steps on each generation (its log-probabilities kept)")
-    scale_rewards: str = _opt("group", "--objective grpo: advantages over the standard deviation of each group, of the "
-                              "global batch, or none", choices=SCALE_REWARDS)
-    loss_type: str = _opt("dapo", "--objective grpo: the loss's normalisation, as TRL names it (docs/language-models.md)",
-                          choices=LOSS_TYPES)
+    scale_rewards: str = _opt("group", "--objective grpo: advantages scaled per group, batch or none", choices=SCALE_REWARDS)
+    loss_type: str = _opt("dapo", "--objective grpo: the loss's normalisation, as TRL names it", choices=LOSS_TYPES)
+    generation_groups: int = _opt(1, "--objective grpo: prompts generated together (the same completions on processes "
+                                  "holding multiples of K prompts a micro-batch)", metavar="K")
     mask_truncated_completions: bool = _opt(False, "--objective grpo: completions cut at the maximum left out of the loss")
     log_completions: int = _opt(0, "--objective grpo: every N steps, the completions and rewards in completions.jsonl")
     center_rewards_coefficient: float | None = _opt(None, "--objective reward: the weight of mean((chosen + rejected)^2) "
                                                     "in the loss, rewards centred on 0 (TRL's; e.g. 0.01)", metavar="X")
-    data_dir: str = _opt("data", "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train/<class>/*, "
-                         "val/<class>/*)")
+    data_dir: str = _opt("data", "folder of cifar10/cifar100 (torchvision's layout) or imagefolder (train|val/<class>/*)")
     train_size: int = _opt(8192, "training samples of the generated datasets (synthetic, linear, fake)")
     eval_size: int = _opt(2048, "evaluation samples of the generated datasets (synthetic, linear, fake)")
     image_size: int | None = _opt(

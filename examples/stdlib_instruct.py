@@ -130,7 +130,7 @@ def prefers(run_dir: str, pairs: list[dict], max_length: int = 256, batch_size: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from acc_trainer.language.chat import pad_id, preference_collate, tokenize_pair
+    from acc_trainer.data.text import pad_id, preference_collate, tokenize_pair
     from acc_trainer.language.preference import sequence_logps
 
     tok, model = AutoTokenizer.from_pretrained(run_dir), AutoModelForCausalLM.from_pretrained(run_dir).eval()

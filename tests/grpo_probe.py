@@ -60,6 +60,7 @@ JOBS = {
     "others": dict(scale_rewards="batch", loss_type="bnpo", grpo_beta=0.1, num_iterations=2, epsilon_high=0.28,
                    temperature=0.9, top_k=20, top_p=0.95, chat=True),
     "lora": dict(lora=4, grpo_beta=0.1, loss_type="grpo", lr=2.0),  # the reference: the model with its adapters off
+    "packed": dict(generation_groups=3),  # 3 prompts' groups in one batch: 6 rows, prompts of unequal lengths
 }
 REWARDS = [says_cat, brief, topic_said]
 

@@ -79,7 +79,7 @@ def data(job: str = "text") -> tuple[list, list]:
 
 def tokenized(rows: list[dict]) -> list[dict]:
     """The pairs as token ids (chat.tokenize_pair, with lm_probe's tokenizer), each with its margin."""
-    from acc_trainer.language.chat import tokenize_pair
+    from acc_trainer.data.text import tokenize_pair
 
     tokenizer = chat_tokenizer(TEMPLATE_PLAIN)
     return [{**tokenize_pair(tokenizer, row), "margin": row["margin"]} for row in rows]

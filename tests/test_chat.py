@@ -22,7 +22,7 @@ from conftest import summary  # noqa: E402
 
 from acc_trainer.config import ConfigError, TrainConfig  # noqa: E402
 from acc_trainer.data import packing  # noqa: E402
-from acc_trainer.language import chat  # noqa: E402
+from acc_trainer.data import text as chat  # noqa: E402
 
 
 def pairs(n: int, seed: int, conversational: bool) -> list[dict]:

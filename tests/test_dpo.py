@@ -20,7 +20,7 @@ import lm_probe  # noqa: E402
 from conftest import REPO, check, distance, launch, metrics, one_thread, reset_accelerate, summary, weights  # noqa: E402
 
 from acc_trainer.config import ConfigError  # noqa: E402
-from acc_trainer.language import chat  # noqa: E402
+from acc_trainer.data import text as chat  # noqa: E402
 from acc_trainer.objectives import dpo as preference  # noqa: E402
 from acc_trainer.workload.losses import batch_loss  # noqa: E402
 

@@ -24,11 +24,11 @@ from acc_trainer.config import ConfigError  # noqa: E402
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{processes: the folder of that launch's runs}: base, others and lora on 2 processes, base on 3 and on 2 under
+    """{processes: the folder of that launch's runs}: base, others, lora and packed on 2 processes, base on 3 and on 2 under
     FSDP2 (each process holds a shard: every one takes part in every generation's forwards), every job on 1."""
     folders = {n: tmp_path_factory.mktemp(f"p{n}") for n in (1, 2, 3, "fsdp")}
     probe = (str(REPO / "tests" / "grpo_probe.py"),)
-    for n, jobs in ((2, ("base", "others", "lora")), (3, ("base",)), ("fsdp", ("base",))):
+    for n, jobs in ((2, ("base", "others", "lora", "packed")), (3, ("base",)), ("fsdp", ("base",))):
         how = ("--config_file", str(REPO / "accelerate_configs" / "fsdp.yaml")) if n == "fsdp" else \
             ("--multi_gpu", "--num_processes", str(n))
         launched = launch(folders[n], *jobs, launcher_args=how, target=probe, timeout=600)
@@ -57,7 +57,7 @@ def test_processes_and_accumulation_generate_the_same_completions_and_end_on_the
     start = lm_probe.base_model().state_dict()
     for job, other in (("base", runs[2] / "base"), ("base", runs[3] / "base"), ("base", runs["fsdp"] / "base"),
                        ("base", one / "accumulated"),
-                       ("others", runs[2] / "others"), ("lora", runs[2] / "lora")):
+                       ("others", runs[2] / "others"), ("lora", runs[2] / "lora"), ("packed", runs[2] / "packed")):
         mine, theirs = completions(one / job), completions(other)
         assert len(mine) == (2 if job == "others" else 4) * 12  # others: a generation every other step
         assert mine == theirs, (job, other)
@@ -150,6 +150,7 @@ def test_the_wrong_input_is_one_line(tmp_path):
         (dict(rewards=[too_few]), r"the reward function too_few returned 1 rewards for \d completions"),
         (dict(rewards=[not_a_number]), "the reward function not_a_number returned nan for the prompt "),
         (dict(rewards=[]), "--objective grpo needs reward functions"),
+        (dict(generation_groups=3), "--generation-groups 3: each process holds 2 prompts a micro-batch, not a multiple of 3"),
         (dict(max_length=2), "is a prompt of [34] tokens: a prompt holds from 1 to --max-length 2 tokens"),
         (dict(data=lm_probe.conversations(8, 0)), "generates from prompts"),
         (dict(tokenizer=None), "give --tokenizer"),

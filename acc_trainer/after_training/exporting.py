@@ -57,7 +57,7 @@ def export(model_or_run, /, dataset=None, *, format: str, output: str | os.PathL
         output = Path(model_or_run) / "export" / f"model.{format}"
     cfg = fit_config(model, dataset, config, options, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
-                                  cfg.pack, cfg.data_pipeline)
+                                  cfg.pack, cfg.data_pipeline, cfg)
     training, device = model.training, next(model.parameters(), torch.empty(0)).device
     try:
         return export_job(job, format, Path(output), samples, owned=False)

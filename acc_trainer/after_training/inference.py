@@ -35,9 +35,8 @@ from ..data.faults import stream_faults, unreadable_everywhere
 from ..data.kinds import settle
 from ..data.loaders import evaluation_loader, placed, stream_evaluation
 from ..distributed import processes
-from ..language import adapters, chat
+from ..language import adapters
 from ..language.generation import check_generates, generated_rows
-from ..language.pretrained import load_tokenizer
 from ..outputs import checkpoints
 from ..outputs.checkpoints import damage, unverified
 from ..stopping import TrainingStopped
@@ -77,8 +76,8 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     # its F1, as the run evaluated them.
     job = components.from_objects(model, dataset, None, loss if loss is not None else cfg.loss,
                                   metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
-                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline,
-                                  chat.text_sets(cfg, _tokenizer_of(model_or_run, tokenizer)))
+                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline, cfg,
+                                  _tokenizer_of(model_or_run, tokenizer))
     ready(cfg, job, given.weights)
     with _mode_kept(job.model):
         return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
@@ -98,10 +97,8 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
     given = _given(model_or_run, dataset, model, data, weights, config, "predict", options.get("accept_unverified", False))
     model, dataset = given.model, given.dataset
     cfg = fit_config(model, dataset, given.config, {"plots": False, **options}, collate_fn, forward)
-    text = chat.text_sets(cfg, _tokenizer_of(model_or_run, tokenizer))  # text data tokenized as the run did
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
-                                  cfg.pack, cfg.data_pipeline, text)
-    job.tokenizer = text.tokenizer
+                                  cfg.pack, cfg.data_pipeline, cfg, _tokenizer_of(model_or_run, tokenizer))
     ready(cfg, job, given.weights)
     if output is not None:
         check_replaceable(Path(output))
@@ -531,7 +528,7 @@ def _tokenizer_of(model_or_run, tokenizer):
     folder's own (None: a model object, or a run saved without one)."""
     if tokenizer is None and isinstance(model_or_run, (str, os.PathLike)):
         tokenizer = _saved_tokenizer(Path(model_or_run))
-    return load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+    return components.load_tokenizer(str(tokenizer), "tokenizer=") if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
 
 
 def _saved_tokenizer(run: Path) -> str | None:
@@ -545,8 +542,7 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
 
     set_seed(cfg.seed)
     # The run's weights replace pretrained ones, but for a LoRA run's base.
-    job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)), chat.text_sets(cfg),
-                                    trains=False)
+    job = components.build_workload(replace(cfg, pretrained=cfg.pretrained and bool(cfg.lora)), trains=False)
     ready(cfg, job, weights, cfg.model)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:
@@ -590,7 +586,7 @@ def main_predict(argv: list[str]) -> None:
     group = processes.start(cfg)
     job, dataset = _workload(cfg, weights, split)
     if given.generate and given.tokenizer:
-        job.tokenizer = load_tokenizer(given.tokenizer)
+        job.tokenizer = components.load_tokenizer(given.tokenizer)
     written, count = _predict(cfg, job, dataset, output, group, given.generate)
     if PartialState().is_main_process:
         what = "generated text" if given.generate else "predictions"

@@ -1,6 +1,6 @@
-"""Language models: LoRA adapters and partly frozen models (adapters.py), chat, instruction and text data tokenized
-(chat.py), generated samples (generation.py), and
-`from_pretrained` folders with their tokenizer (pretrained.py).
+"""Language models: LoRA adapters and partly frozen models (adapters.py), generated samples (generation.py), and
+`from_pretrained` folders with their tokenizer (pretrained.py). Text data is tokenized where data lives (data/text.py),
+with the tokenizer workload/components.py turns --tokenizer's name into.
 
 May import: the base, data, workload, distributed.
 """

@@ -24,7 +24,7 @@ import torch
 
 from ..config import ConfigError, TrainConfig, first_line
 from ..data.datasets import IGNORE_INDEX
-from .pretrained import load_tokenizer
+from ..workload.components import load_tokenizer
 
 SAMPLES = "samples.jsonl"
 # The trackers whose Accelerate `log` takes text: TensorBoard's add_text, wandb's log, Comet's log_other (one value,

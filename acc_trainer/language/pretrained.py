@@ -18,7 +18,7 @@ import copy
 import sys
 from pathlib import Path
 
-from ..config import IMPORT_PATH, ConfigError, first_line
+from ..config import ConfigError, first_line
 from .adapters import is_peft, save_adapter
 
 MODEL_CONFIG = "model-config"  # where a checkpoint of sharded weights keeps the model's config (config_files)
@@ -70,37 +70,6 @@ def model_card_file(module, folder: Path, card: str) -> None:
     (folder / "README.md").write_text(card)
     if is_peft(module):
         module.create_or_update_model_card(str(folder))
-
-
-def load_tokenizer(spec: str, what: str = "--tokenizer"):
-    """The tokenizer `spec` names: a folder saved with `save_pretrained` (AutoTokenizer), a tokenizers library's
-    tokenizer.json (PreTrainedTokenizerFast), or `pkg.module:factory` returning one; one line when it does not load.
-    Never a download: a Hub tokenizer comes through a factory of one's own."""
-    from ..workload.components import call_factory, import_object
-
-    path = Path(spec)
-    if IMPORT_PATH.match(spec) and not path.exists():
-        tokenizer = call_factory(import_object(spec, what), {}, {}, f"{what} {spec}")
-    elif not path.exists():
-        raise ConfigError(f"{what} {spec}: no such folder or file (give a folder saved with save_pretrained, a "
-                          "tokenizer.json, or an import path pkg.module:factory)")
-    elif path.is_dir() and not any((path / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
-        raise ConfigError(f"{what} {spec}: the folder holds no tokenizer (no tokenizer_config.json or tokenizer.json, "
-                          "which save_pretrained writes)")
-    else:
-        try:
-            from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path)) if path.is_file() else \
-                AutoTokenizer.from_pretrained(str(path))
-        except ImportError as e:
-            raise ConfigError(f"{what} needs transformers (pip install transformers): {first_line(e)}") from None
-        except Exception as e:  # noqa: BLE001 - a file or folder that is not a tokenizer is the user's input
-            raise ConfigError(f"{what} {spec} does not load as a tokenizer: {type(e).__name__}: {first_line(e)}") from None
-    if not (callable(tokenizer) and hasattr(tokenizer, "decode") and hasattr(tokenizer, "save_pretrained")):
-        raise ConfigError(f"{what} {spec} is a {type(tokenizer).__name__}, not a transformers tokenizer (callable, with "
-                          "decode and save_pretrained)")
-    return tokenizer
 
 
 def tokenizer_files(tokenizer, folder: Path) -> list[str]:

@@ -76,7 +76,7 @@ class LM:
 
 GRPO_OPTIONS = ("rewards", "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "grpo_beta",
                 "epsilon", "epsilon_high", "num_iterations", "scale_rewards", "loss_type", "mask_truncated_completions",
-                "log_completions")
+                "log_completions", "generation_groups")
 
 
 def of(cfg: TrainConfig, rewards=None, judge=None):

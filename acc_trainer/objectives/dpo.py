@@ -1,7 +1,7 @@
 """Preference pairs trained with DPO (`--objective dpo`, Rafailov et al. 2023) on the run's own loop: the workload's
 forward, loss, metrics and collate, as TRL 1.16's DPOTrainer computes them (its sigmoid loss, `beta` 0.1 by default).
 
-A batch holds B pairs as 2B rows (chat.preference_collate: the chosen rows, then the rejected ones). Each row's
+A batch holds B pairs as 2B rows (text.preference_collate: the chosen rows, then the rejected ones). Each row's
 log-probability is the sum over its completion's tokens of log p(token | what precedes it), in float32. The
 reference's come from the frozen starting weights: with LoRA the same model with its adapters switched off (no second
 copy), otherwise a frozen copy taken once the starting weights are in place (after --init-from, before the first step;
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, TrainConfig
-from ..language.chat import Tokenized, pad_id, preference_collate
+from ..data.text import Tokenized, pad_id, preference_collate
 from ..workload.components import Workload
 from ..workload.losses import Loss, chunked, no_cache
 
@@ -210,7 +210,7 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
     given = [what for what, value in (("--loss", job.loss or cfg.loss), ("--forward", job.forward)) if value is not None]
     if given:
         raise ConfigError(f"--objective dpo computes its own forward and loss; leave {given[0]} out")
-    sft_text = isinstance(job.data.train, Tokenized) and job.data.train.kind != "preference"  # padded by chat.py
+    sft_text = isinstance(job.data.train, Tokenized) and job.data.train.kind != "preference"  # padded by data/text.py
     if job.collate is None or sft_text:
         if not pairs:
             raise ConfigError(f"--objective dpo trains on preference pairs (prompt, chosen and rejected, as text or chat "

@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from ..config import ConfigError, TrainConfig
 from ..workload.losses import Loss
 from .dpo import Reference, causal_lm, start_reference, unwrapped
 from .rewards import Applicable, Completions, _nanstd, advantages, reward_functions, score
-from .sampling import Sampling, completion_mask, generate_group, key, lockstep
+from .sampling import Sampling, completion_mask, generate_group, generate_rows, key, lockstep
 
 # --------------------------------------------------------------------------------------------------- the loss
 
@@ -190,6 +191,10 @@ class GRPO:
         if job.tokenizer is None:
             raise ConfigError("--objective grpo decodes the completions for the reward functions: give --tokenizer")
         causal_lm(job.model, "grpo")
+        share = cfg.batch_size // (PartialState().num_processes * cfg.grad_accum)  # a process's prompts a micro-batch
+        if share % cfg.generation_groups:  # (--micro-batch auto's, known later, is checked at the first step)
+            raise ConfigError(f"--generation-groups {cfg.generation_groups}: each process holds {share} prompts a "
+                              f"micro-batch, not a multiple of {cfg.generation_groups}")
         self.tokenizer = job.tokenizer
         eos = getattr(getattr(unwrapped(job.model), "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else job.tokenizer.eos_token_id
@@ -261,13 +266,21 @@ class GRPO:
     def _generated(self, policy, batch: Mapping, step: int, together) -> dict:
         """One micro-batch of prompts -> its G completions each, as the training batch (prompts left-padded,
         completions right-padded), with what the reward functions are given."""
-        prompts, completions, scoring = [], [], Completions()
-        for ids, index, row in zip(batch["prompt_ids"], batch["index"].tolist(), batch["rows"], strict=True):
-            keys = [key(self.cfg.seed, step, index, g) for g in range(self.group)]
-            made = generate_group(policy, ids, keys, self.sampling, together)
-            prompts += [ids] * self.group
-            completions += list(made)
-            _scored(scoring, row, made, self.sampling, self.tokenizer)
+        prompts, completions, scoring, pack = [], [], Completions(), self.cfg.generation_groups
+        given = list(zip(batch["prompt_ids"], batch["index"].tolist(), batch["rows"], strict=True))
+        if len(given) % pack:
+            raise ConfigError(f"--generation-groups {pack}: this process's micro-batch holds {len(given)} prompts, not a "
+                              f"multiple of {pack} (prompts are generated {pack} at a time)")
+        for start in range(0, len(given), pack):  # each pack's rows in one batch: G a prompt, each with its key
+            part = given[start:start + pack]
+            keys = [key(self.cfg.seed, step, index, g) for _, index, _ in part for g in range(self.group)]
+            made = generate_rows(policy, [ids for ids, _, _ in part for _ in range(self.group)], keys, self.sampling,
+                                 together)
+            for j, (ids, _, row) in enumerate(part):
+                mine = made[j * self.group:(j + 1) * self.group]
+                prompts += [ids] * self.group
+                completions += list(mine)
+                _scored(scoring, row, mine, self.sampling, self.tokenizer)
         prompt_ids, prompt_mask = pad_rows(prompts, self.sampling.pad, left=True)
         completion_ids, _ = pad_rows(completions, self.sampling.pad, left=False)
         mask, cut = completion_mask(completion_ids, self.sampling.eos)
@@ -447,6 +460,7 @@ def _check(cfg: TrainConfig) -> None:
         raise ConfigError(f"--batch-size {cfg.batch_size} counts completions and must be a multiple of "
                           f"--num-generations {cfg.num_generations} (whole groups of a prompt's completions)")
     for name, low, high in (("max_completion_length", 1, None), ("temperature", 0, None), ("top_p", 0, 1),
+                            ("generation_groups", 1, None),
                             ("top_k", 0, None), ("epsilon", 0, 1), ("num_iterations", 1, None),
                             ("log_completions", 0, None), ("epsilon_high", 0, None)):
         value = getattr(cfg, name)

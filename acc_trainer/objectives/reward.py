@@ -2,8 +2,8 @@
 (`AutoModelForSequenceClassification` with `num_labels=1`) scores prompt + chosen and prompt + rejected, and learns to
 score the chosen one higher, with the Bradley-Terry loss as TRL 1.16's RewardTrainer computes it (`compute_loss`).
 
-The data is DPO's: pairs of text or chat messages, tokenized by chat.Tokenized ("preference") and batched as B pairs
-in 2B rows (the chosen rows, then the rejected ones: chat.preference_collate, each row prompt + completion, as TRL's
+The data is DPO's: pairs of text or chat messages, tokenized by text.Tokenized ("preference") and batched as B pairs
+in 2B rows (the chosen rows, then the rejected ones: text.preference_collate, each row prompt + completion, as TRL's
 DataCollatorForPreference builds them). The score of a row is the model's output at its last token that is not padding
 (transformers' sequence classifiers pool there: `config.pad_token_id` is set to the run's padding token, as TRL sets
 it). A pair's loss is `-log sigmoid(chosen - rejected - margin)` (`margin`: the pair's own, when its samples hold one),
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, TrainConfig
-from ..language.chat import Tokenized, pad_id, preference_collate
+from ..data.text import Tokenized, pad_id, preference_collate
 from ..workload.components import Workload
 from ..workload.losses import Loss
 from .dpo import holds_pairs, unwrapped

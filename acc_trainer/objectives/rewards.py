@@ -79,12 +79,12 @@ def _reward_model_folder(path: str) -> Path | None:
 
 class ModelReward:
     """A reward model's folder as a reward function: fn(prompts, completions, **columns) -> the model's score of each
-    prompt + completion, tokenized as the reward model's pairs were (chat.tokenize_pair: text with the EOS token
+    prompt + completion, tokenized as the reward model's pairs were (text.tokenize_pair: text with the EOS token
     appended, messages through the chat template with the completion's message, and the sample's `tools`), in batches
     of `batch` sequences, in evaluation mode, without gradients, on the run's device."""
 
     def __init__(self, model, tokenizer, batch: int = 16):
-        from ..language.chat import pad_id
+        from ..data.text import pad_id
 
         self.model, self.tokenizer, self.batch = model, tokenizer, batch
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -93,7 +93,7 @@ class ModelReward:
         self.pad = config.pad_token_id
 
     def __call__(self, prompts: Sequence, completions: Sequence, **columns) -> list[float]:
-        from ..language.chat import tokenize_pair
+        from ..data.text import tokenize_pair
 
         tools = columns.get("tools")
         rows = []

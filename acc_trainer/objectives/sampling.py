@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from accelerate.utils import reduce
 from torch.distributed.fsdp import FSDPModule
 
@@ -65,22 +66,35 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return picked.squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
-@torch.no_grad()
 def generate_group(model, prompt: torch.Tensor, keys: Sequence[int] | None, s: Sampling,
                    lockstep: Callable[[bool], bool] | None = None) -> torch.Tensor:
-    """The completions of one prompt [P]: one row per key (greedy, one row, when `keys` is None), [rows, <= max_new]
-    padded with `s.pad` after each row's end-of-sequence token. `lockstep(done)`: under FSDP2 every process takes part
-    in every forward, so the loop goes on until every process's group is done."""
-    rows = len(keys) if keys is not None else 1
+    """The completions of one prompt [P]: one row per key (greedy, one row, when `keys` is None)."""
+    return generate_rows(model, [prompt] * (len(keys) if keys is not None else 1), keys, s, lockstep)
+
+
+@torch.no_grad()
+def generate_rows(model, prompts: Sequence[torch.Tensor], keys: Sequence[int] | None, s: Sampling,
+                  lockstep: Callable[[bool], bool] | None = None) -> torch.Tensor:
+    """A completion of each prompt (1-D token ids), all in one batch: each row sampled with its key (greedy when
+    `keys` is None), [rows, <= max_new] padded with `s.pad` after each row's end-of-sequence token. Prompts of
+    different lengths are left-padded, their positions counted from each one's first token. The same rows in the same
+    order give the same bits on any topology. `lockstep(done)`: under FSDP2 every process takes part in every
+    forward, so the loop goes on until every process's rows are done."""
+    rows, device = len(prompts), prompts[0].device
     u = uniforms(keys, s.max_new) if keys is not None else None
-    ids = prompt.unsqueeze(0).expand(rows, -1).contiguous()
+    width = max(len(p) for p in prompts)
+    ids = torch.full((rows, width), s.pad, dtype=torch.long, device=device)
+    mask = torch.zeros((rows, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    padded = bool((mask == 0).any())  # without padding the model counts the positions itself
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     past, out, name = None, [], cache_name(model)
-    finished = torch.zeros(rows, dtype=torch.bool, device=prompt.device)
-    eos = torch.tensor(s.eos or [-1], device=prompt.device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    eos = torch.tensor(s.eos or [-1], device=device)
     for t in range(s.max_new):
-        width = prompt.numel() + t
-        result = model(input_ids=ids, attention_mask=torch.ones(rows, width, dtype=torch.long, device=prompt.device),
-                       use_cache=True, **{name: past})
+        result = model(input_ids=ids, attention_mask=mask, use_cache=True, **{name: past},
+                       **({"position_ids": positions} if padded else {}))
         past = getattr(result, name)
         logits = result.logits[:, -1].float()
         token = logits.argmax(-1) if u is None or s.temperature == 0 else draw(filtered_probs(logits, s), u[:, t])
@@ -92,7 +106,7 @@ def generate_group(model, prompt: torch.Tensor, keys: Sequence[int] | None, s: S
             done = lockstep(done)
         if done:
             break
-        ids = token.unsqueeze(1)
+        ids, mask, positions = token.unsqueeze(1), F.pad(mask, (0, 1), value=1), positions[:, -1:] + 1
     return torch.stack(out, 1)
 
 

@@ -49,7 +49,6 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, TrainConfig, first_line
-from ..language import chat
 from .check_faults import FAULTS, HANG_FLOOR, SLACK, Fault, _faulted, _resumed_row, _stop_row, fault_names
 from .check_rows import FAIL, SKIPPED, rows_for, table
 from .check_samples import _recorder
@@ -73,8 +72,8 @@ def check(model, train_data, eval_data=None, *, loss=None, metrics=None, collate
     # and GNU OpenMP's thread pool does not survive a fork: a forked child that uses it hangs.
     names = fault_names(faults, cfg)  # before the Checker makes its folder
     return Checker(cfg, lambda cfg: from_objects(model, train_data, eval_data, loss, metrics, collate_fn or cfg.collate,
-                                                 forward or cfg.forward, cfg.pack, cfg.data_pipeline,
-                                                 chat.text_sets(cfg, tokenizer)),
+                                                 forward or cfg.forward, cfg.pack, cfg.data_pipeline, cfg,
+                                                 tokenizer),
                    steps, output_dir, threads=1).run(names)
 
 
@@ -86,7 +85,7 @@ def _named_workload(cfg: TrainConfig):
     from ..workload.components import build_workload
 
     set_seed(cfg.seed)
-    return build_workload(cfg, chat.text_sets(cfg))
+    return build_workload(cfg)
 
 
 class Checker:

@@ -33,7 +33,8 @@ completions and per-process batch (TRL: per_device_train_batch_size counts compl
 completion tokens generated (up to and with each one's end-of-sequence token) plus the completion tokens the loss
 counts, in the training forwards (the ones that build a graph: the generation's forwards do not count); samples:
 completions trained on. Each process also times, with the same wrapper in both, its sampling (acc_trainer's
-generate_group, a prompt's G rows at a time; TRL's _generate_single_turn, its whole batch at once) and its rollout
+generate_rows, --generation-groups prompts' G rows at a time; TRL's _generate_single_turn, its whole batch at once)
+and its rollout
 (sampling, rewards, advantages: acc_trainer's GRPO.rollout, TRL's _generate_and_score_completions), and records
 from which prompts it generated.
 
@@ -70,7 +71,7 @@ def mode_of(cfg: TrainConfig) -> str | None:
     lm_bench's)."""
     if cfg.objective in ("dpo", "grpo"):
         return cfg.objective
-    from ..language.chat import sample_kind
+    from ..data.text import sample_kind
 
     train = samples(cfg)
     first = train[0] if hasattr(train, "__getitem__") and len(train) else None
@@ -86,8 +87,8 @@ def _check_trl_takes_the_template(cfg: TrainConfig) -> None:
     """TRL's SFTTrainer finds the assistant's tokens through a template's {% generation %} blocks, or a training
     template of its own for the ones it knows (get_training_chat_template); any other it refuses after acc_trainer's
     loop has run: one line here instead."""
-    from ..language.chat import load_chat_template
-    from ..language.pretrained import load_tokenizer
+    from ..data.text import load_chat_template
+    from ..workload.components import load_tokenizer
 
     try:
         from trl.chat_template_utils import get_training_chat_template, has_generation_markers
@@ -155,9 +156,8 @@ def workload(cfg: TrainConfig):
     --seed (the same weights in every loop and process), the samples from the dataset."""
     import torch
 
-    from ..language.chat import load_chat_template
-    from ..language.pretrained import load_tokenizer
-    from ..workload.components import call_factory, import_object
+    from ..data.text import load_chat_template
+    from ..workload.components import call_factory, import_object, load_tokenizer
 
     train = samples(cfg)
     torch.manual_seed(cfg.seed)
@@ -180,12 +180,12 @@ def acc_trainer_loop(cfg: TrainConfig, mode: str, steps: int, warmup: int, outpu
         from ..objectives import grpo
         from ..objectives.sampling import completion_mask
 
-        def sampled(seconds, made, model, prompt, keys, s, *args, **kwargs):
+        def sampled(seconds, made, model, prompts, keys, s, *args, **kwargs):
             if keys is not None:  # training's (evaluation's greedy completions have no keys)
-                counter.generated(completion_mask(made, s.eos)[0].sum(1).tolist(), [prompt.tolist()] * len(made),
+                counter.generated(completion_mask(made, s.eos)[0].sum(1).tolist(), [p.tolist() for p in prompts],
                                   seconds)
 
-        counter.timed(grpo, "generate_group", sampled)  # a prompt's G completions, as GRPO._generated calls it
+        counter.timed(grpo, "generate_rows", sampled)  # --generation-groups prompts' G rows each, as GRPO calls it
         counter.timed(grpo.GRPO, "rollout", lambda seconds, *args, **kwargs: counter.rolled_out(seconds))
     run_cfg = replace(cfg, max_steps=steps, output_dir=output_dir, plots=False, progress="plain")
     summary = fit(model, train, None, tokenizer=tokenizer, config=run_cfg)
@@ -434,7 +434,8 @@ def grpo_markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, load: 
               "completion tokens the loss counts in the training forwards, per second over the timed steps, every process "
               "together, from each run's own step logs (bench-steps-rank<R>.jsonl); completions/s: the completions "
               "trained on. Generating: the share of the timed steps' seconds spent sampling (acc_trainer's "
-              "generate_group, a prompt's G rows at a time; TRL's _generate_single_turn, its whole batch in one "
+              "generate_rows, --generation-groups prompts' G rows at a time; TRL's _generate_single_turn, its whole batch "
+              "in one "
               "generate call), rollout: sampling, rewards and advantages (acc_trainer's GRPO.rollout, TRL's "
               "_generate_and_score_completions), each process's share, their mean. acc_trainer vs it: acc_trainer's "
               "median over this loop's, on as many processes; each repeat: acc_trainer's run over this loop's run of the "

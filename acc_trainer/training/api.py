@@ -19,7 +19,6 @@ from accelerate.utils import set_seed
 from .. import objectives
 from ..config import ConfigError, TrainConfig, did_you_mean, make_config
 from ..distributed import processes
-from ..language import chat
 from ..outputs.runfiles import refuse_a_run_in, refuse_a_used_folder
 from ..workload import components
 from ..workload.models import accelerate_marks_undone
@@ -38,7 +37,7 @@ def train(cfg: TrainConfig) -> dict:
         group = processes.start(cfg)  # before the workload: a download happens on the main process first
         refuse_a_used_folder(cfg)  # before the workload too: its data may take minutes to build
         set_seed(cfg.seed)  # the same initial weights and generated data on every process
-        return run(cfg, components.build_workload(cfg, chat.text_sets(cfg)), group)
+        return run(cfg, components.build_workload(cfg), group)
 
 
 def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_fn=None, forward=None,
@@ -86,7 +85,7 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     cfg = fit_config(model, train_data, config, options, collate_fn, forward)
     job = components.from_objects(model, train_data, eval_data, loss if loss is not None else cfg.loss,
                                   metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
-                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline, chat.text_sets(cfg, tokenizer))
+                                  forward or cfg.forward, cfg.pack, cfg.data_pipeline, cfg, tokenizer)
     job.optimizer, job.scheduler = factories.get("optimizer"), factories.get("scheduler")
     job.on_evaluation = on_evaluation
     job.objective = objectives.of(cfg, rewards, judge) if rewards is not None or judge is not None else None
@@ -136,7 +135,7 @@ def range_test(cfg: TrainConfig, min_lr: float = 1e-7, max_lr: float = 1.0, step
         folder = lr_range.folder_for(cfg.output_dir, cfg.model, cfg.dataset)
         cfg = make_config({**cfg.to_dict(), **lr_range.run_options(test, folder), "scheduler": "constant"})
         set_seed(cfg.seed)
-        job = components.build_workload(cfg, chat.text_sets(cfg))
+        job = components.build_workload(cfg)
         job.data = replace(job.data, eval=None, kind=replace(job.data.kind, eval=None))
         job.scheduler = schedule
         with lr_range.ending_where_not_finite(test):

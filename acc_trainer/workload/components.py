@@ -33,6 +33,7 @@ from ..config import IMPORT_PATH, ConfigError, TrainConfig, first_line, is_data_
 from ..data import packing
 from ..data.datasets import DATASETS, Data, check_data, torchvision
 from ..data.kinds import settle
+from ..data.text import TextSets, text_sets
 from ..data.user_data import data_from, read_files
 from . import losses, quantized
 from . import metrics as builtin_metrics
@@ -111,19 +112,19 @@ def call_factory(factory: Callable, args: dict, known: dict, what: str) -> Any:
 # ---------------------------------------------------------------------------------------- from names
 
 
-def build_workload(cfg: TrainConfig, text=None, trains: bool = True) -> Workload:
-    """Everything `cfg` names, built in this process (every process calls this after seeding). `text`: how the
-    run's text samples become tokens (language/chat.py's `TextSets`, which carries the run's tokenizer), applied to
-    a dataset factory's or files' sets before they are packed, unless a collate function of the user's takes the
-    samples as they are; None: no text data. `trains`: False for evaluate and predict, which only read a set."""
+def build_workload(cfg: TrainConfig, trains: bool = True) -> Workload:
+    """Everything `cfg` names, built in this process (every process calls this after seeding). Text samples become
+    tokens with the run's tokenizer (data/text.py's `TextSets`, --tokenizer's) before they are packed, unless a collate
+    function of the user's takes the samples as they are. `trains`: False for evaluate and predict, which only read
+    a set."""
     from accelerate import PartialState
 
     # The main process builds the data first (and downloads, if it must); the others then read its
     # files. An error is raised only after the context, so that no process is left at its barrier.
-    error = None
+    error, text = None, text_of(cfg)
     with PartialState().main_process_first():
         try:
-            data = build_data(cfg, text, trains)
+            data = build_data(cfg, trains, text)
         except ConfigError as e:
             error = e
     if error is not None:
@@ -139,9 +140,9 @@ def build_workload(cfg: TrainConfig, text=None, trains: bool = True) -> Workload
                     tokenizer=getattr(text, "tokenizer", None), init=init)
 
 
-def _text_collate(collate: Callable | None, text) -> Callable | None:
+def _text_collate(collate: Callable | None, text: TextSets) -> Callable | None:
     """The user's collate function; else, for unpacked text data, the padding one the text's kind asks for."""
-    return collate if collate is not None or text is None else text.collate()
+    return collate if collate is not None else text.collate()
 
 
 def build_batching(collate, forward) -> tuple[Callable | None, Callable | None]:
@@ -158,8 +159,15 @@ def build_batching(collate, forward) -> tuple[Callable | None, Callable | None]:
     return collate, None if forward is losses.forward else forward
 
 
-def build_data(cfg: TrainConfig, text=None, trains: bool = True) -> Data:
-    """The run's `Data` from --dataset (`text`, `trains`: see build_workload)."""
+def text_of(cfg: TrainConfig, tokenizer=None) -> TextSets:
+    """How the run's text samples become tokens: with `tokenizer` (fit's object), else the one --tokenizer names."""
+    return text_sets(cfg, tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None)
+
+
+def build_data(cfg: TrainConfig, trains: bool = True, text: TextSets | None = None) -> Data:
+    """The run's `Data` from --dataset, its text tokenized (`text`: the run's TextSets, made here when not given;
+    `trains`: see build_workload)."""
+    text = text if text is not None else text_of(cfg)
     spec, args = cfg.dataset, cfg.dataset_args or {}
     known = {"config": cfg, "seed": cfg.seed}
     if spec in DATASETS:
@@ -170,14 +178,14 @@ def build_data(cfg: TrainConfig, text=None, trains: bool = True) -> Data:
         if isinstance(made, Data):
             data = made
         elif isinstance(made, (tuple, list)) and len(made) == 2:
-            train, eval_ = text(*made, spec) if text is not None and cfg.collate is None else made
+            train, eval_ = text(*made, spec) if cfg.collate is None else made
             data = data_from(*packing.pack_sets(train, eval_, cfg.pack, spec), spec)
         else:
             raise ConfigError(f"dataset factory {spec} returned {type(made).__name__}; it must return a pair "
                               "(train_dataset, eval_dataset)")
     if cfg.pack and not isinstance(data.train, packing.Packed):  # a built-in set: refused there, naming its samples
         data = data_from(*packing.pack_sets(data.train, data.eval, cfg.pack, spec), spec)
-    if getattr(text, "note", None):
+    if text.note:
         data.notes.append(text.note)
     data = settle(data, cfg.data_pipeline, cfg.collate)
     check_data(data, cfg.batch_size if trains else None, spec)
@@ -326,21 +334,52 @@ def _callable(obj: Any, spec: str, what: str) -> Callable:
     return obj
 
 
+def load_tokenizer(spec: str, what: str = "--tokenizer"):
+    """The tokenizer `spec` names: a folder saved with `save_pretrained` (AutoTokenizer), a tokenizers library's
+    tokenizer.json (PreTrainedTokenizerFast), or `pkg.module:factory` returning one; one line when it does not load.
+    Never a download: a Hub tokenizer comes through a factory of one's own."""
+    path = Path(spec)
+    if IMPORT_PATH.match(spec) and not path.exists():
+        tokenizer = call_factory(import_object(spec, what), {}, {}, f"{what} {spec}")
+    elif not path.exists():
+        raise ConfigError(f"{what} {spec}: no such folder or file (give a folder saved with save_pretrained, a "
+                          "tokenizer.json, or an import path pkg.module:factory)")
+    elif path.is_dir() and not any((path / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
+        raise ConfigError(f"{what} {spec}: the folder holds no tokenizer (no tokenizer_config.json or tokenizer.json, "
+                          "which save_pretrained writes)")
+    else:
+        try:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path)) if path.is_file() else \
+                AutoTokenizer.from_pretrained(str(path))
+        except ImportError as e:
+            raise ConfigError(f"{what} needs transformers (pip install transformers): {first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 - a file or folder that is not a tokenizer is the user's input
+            raise ConfigError(f"{what} {spec} does not load as a tokenizer: {type(e).__name__}: {first_line(e)}") from None
+    if not (callable(tokenizer) and hasattr(tokenizer, "decode") and hasattr(tokenizer, "save_pretrained")):
+        raise ConfigError(f"{what} {spec} is a {type(tokenizer).__name__}, not a transformers tokenizer (callable, with "
+                          "decode and save_pretrained)")
+    return tokenizer
+
+
 # -------------------------------------------------------------------------------------- from objects
 
 
 def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate=None, forward=None,
-                 pack: int | None = None, pipeline: str = "batched", text=None) -> Workload:
+                 pack: int | None = None, pipeline: str = "batched", cfg: TrainConfig | None = None,
+                 tokenizer=None) -> Workload:
     """`fit()`'s arguments as a Workload: the same checks the command line's objects get (`pack`: --pack,
-    `pipeline`: --data-pipeline, `text`: see build_workload)."""
+    `pipeline`: --data-pipeline; text samples tokenized with `tokenizer`, fit's, else `cfg`'s --tokenizer)."""
+    text = text_of(cfg or TrainConfig(), tokenizer)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
     quantized.steady(model)  # a model its user loaded in 4 bits: its layers kept as loaded (no-op for any other)
     name = type(train_data).__name__ if train_data is not None else "fit()"
-    train, eval_ = text(train_data, eval_data, name) if text is not None and collate is None and \
-        train_data is not None else (train_data, eval_data)
+    train, eval_ = text(train_data, eval_data, name) if collate is None and train_data is not None else \
+        (train_data, eval_data)
     data = settle(data_from(*packing.pack_sets(train, eval_, pack, name), name), pipeline, collate)
-    data.notes += [text.note] if getattr(text, "note", None) else []
+    data.notes += [text.note] if text.note else []
     loss_name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
     if isinstance(loss, str):
         loss = build_loss(loss)

@@ -35,9 +35,8 @@ import torch
 from torch.utils.data import Dataset
 
 from ..config import ConfigError, TrainConfig, first_line
-from ..data.datasets import IGNORE_INDEX
-from ..data.kinds import is_stream
-from .pretrained import load_tokenizer
+from .datasets import IGNORE_INDEX
+from .kinds import is_stream
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for generation blocks
@@ -520,10 +519,8 @@ def _tokens_only(dataset):
 
 
 def text_sets(cfg: TrainConfig, tokenizer=None) -> TextSets:
-    """How the run's text becomes tokens: with `tokenizer` (fit's object) or the one --tokenizer names, loaded here
-    before the data is built, its chat template replaced by --chat-template's."""
-    if tokenizer is None and cfg.tokenizer:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+    """How the run's text becomes tokens: with `tokenizer` (fit's object, or the one --tokenizer names, loaded by
+    workload/components.py before the data is built), its chat template replaced by --chat-template's."""
     if cfg.chat_template is not None and tokenizer is None:
         raise ConfigError("--chat-template applies with --tokenizer (or fit(tokenizer=...)): the template is the "
                           "tokenizer's")
