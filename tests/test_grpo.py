@@ -194,3 +194,19 @@ def test_grpo_from_the_command_line(main_in_process, tmp_path):
     AutoModelForCausalLM.from_pretrained(tmp_path / "run")
     code, out, err = main_in_process(*args, "--rewards", "test_grpo:raising", "--output-dir", tmp_path / "bad")
     assert code == 2 and err.strip().count("\n") == 0 and "the reward function raising raised ValueError" in err, err
+
+
+def test_evaluate_and_predict_on_a_run_folder_made_from_objects(runs):
+    """evaluate(RUN_DIR, model=..., data=..., rewards=[...]) gives the run's final evaluation again (its reward
+    functions given back: config.yaml names only import paths); predict one row per prompt with its rewards."""
+    import acc_trainer
+
+    run, held_out = runs[1] / "base", grpo_probe.data("base")[1]
+    reset_accelerate()
+    with one_thread():
+        found = acc_trainer.evaluate(run, model=lm_probe.base_model(0), data=held_out, rewards=grpo_probe.REWARDS)
+        rows = acc_trainer.predict(run, model=lm_probe.base_model(0), data=held_out, rewards=grpo_probe.REWARDS)
+    reset_accelerate()
+    assert found.pop("samples") == 5 and found == pytest.approx(summary(run)["eval"], abs=1e-9)
+    assert [row["index"] for row in rows] == list(range(5))
+    assert sum(row["output"]["reward"] for row in rows) / 5 == pytest.approx(found["reward"])

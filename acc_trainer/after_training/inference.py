@@ -56,7 +56,8 @@ FORMATS = (".jsonl", ".csv", ".npz")
 
 
 def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=None, loss=None, metrics=None,
-             collate_fn=None, forward=None, tokenizer=None, config: TrainConfig | None = None, **options) -> dict:
+             collate_fn=None, forward=None, tokenizer=None, config: TrainConfig | None = None, rewards=None,
+             **options) -> dict:
     """`model` (with its weights loaded) evaluated on `dataset`, exactly, on every process of a launch:
     the loss and every metric over the whole set (metrics as for `fit`; metrics with state computed once),
     `samples`, and for classification the confusion matrix and per-class table under `tables`.
@@ -66,7 +67,8 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
     (config.yaml) under `config` and `options`; how to evaluate a run that `fit()` made from objects (give its
     `loss` and `metrics` again: config.yaml names only those given by name). `weights` with a model object: loaded
     into it first. Text data (chat, prompt/completion, preference pairs) is tokenized as the run did, with
-    `tokenizer` (an object, or what --tokenizer takes; default: the run folder's)."""
+    `tokenizer` (an object, or what --tokenizer takes; default: the run folder's). A GRPO run's reward functions:
+    `rewards` (callables, as fit() took them; import paths are in config.yaml)."""
     from ..training.api import fit_config
 
     given = _given(model_or_run, dataset, model, data, weights, config, "evaluate", options.get("accept_unverified", False))
@@ -78,6 +80,7 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
                                   metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
                                   forward or cfg.forward, cfg.pack, cfg.data_pipeline, cfg,
                                   _tokenizer_of(model_or_run, tokenizer))
+    job.objective = objectives.of(cfg, rewards) if rewards is not None else None
     ready(cfg, job, given.weights)
     with _mode_kept(job.model):
         return _evaluate(cfg, job, job.data.train)  # packed as the run's sets were (--pack)
@@ -85,13 +88,14 @@ def evaluate(model_or_run, /, dataset=None, *, model=None, data=None, weights=No
 
 def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=None,
             output: str | os.PathLike | None = None, collate_fn=None, forward=None, generate: bool = False,
-            tokenizer=None, config: TrainConfig | None = None, **options) -> list[dict] | Path:
+            tokenizer=None, config: TrainConfig | None = None, rewards=None, **options) -> list[dict] | Path:
     """The model's predictions for every sample of `dataset`, in its order, one row per sample with its
     `index` (and `class`, the highest score, for class scores; `loss`, `perplexity` and `tokens` for a language
     model given labels). Written to `output` (.jsonl, .csv or .npz) as the batches arrive, by the main process,
     which returns its path; without `output`, the rows (every process gets them all). `predict(RUN_DIR, model=...,
     data=...)`: a finished run's, as `evaluate`. `generate`: each input's `prompt` and the `text` generated after it
-    (greedy, `max_new_tokens`), with `tokenizer` (an object, or what --tokenizer takes; default: the run folder's)."""
+    (greedy, `max_new_tokens`), with `tokenizer` (an object, or what --tokenizer takes; default: the run folder's);
+    `rewards`: as `evaluate`'s."""
     from ..training.api import fit_config
 
     given = _given(model_or_run, dataset, model, data, weights, config, "predict", options.get("accept_unverified", False))
@@ -99,6 +103,7 @@ def predict(model_or_run, /, dataset=None, *, model=None, data=None, weights=Non
     cfg = fit_config(model, dataset, given.config, {"plots": False, **options}, collate_fn, forward)
     job = components.from_objects(model, dataset, None, None, {}, collate_fn or cfg.collate, forward or cfg.forward,
                                   cfg.pack, cfg.data_pipeline, cfg, _tokenizer_of(model_or_run, tokenizer))
+    job.objective = objectives.of(cfg, rewards) if rewards is not None else None
     ready(cfg, job, given.weights)
     if output is not None:
         check_replaceable(Path(output))
