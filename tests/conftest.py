@@ -31,10 +31,11 @@ BIN = Path(sys.executable).parent
 # environment (CI's) its first launch builds DeepSpeed's CPU op, 75-120 s; 25 s here once built.
 LONGEST_FIRST = ("test_deepspeed.py", "test_checkpoints.py", "test_own_model.py", "test_launch.py", "test_faults.py",
                  "test_restarts.py", "test_augment.py", "test_bench.py", "test_engines.py", "test_topology.py",
-                 "test_watchdog.py", "test_trl_bench.py", "test_streams.py", "test_lm_example.py",
-                 "test_language_models.py", "test_check.py", "test_scale_out.py", "test_slurm.py", "test_lr_find.py",
-                 "test_evaluation.py", "test_sweep.py", "test_reports.py", "test_data.py", "test_dpo.py",
-                 "test_tasks.py", "test_micro_batch.py", "test_readme.py")
+                 "test_trl_bench.py", "test_grpo.py", "test_watchdog.py", "test_streams.py", "test_lm_example.py",
+                 "test_language_models.py", "test_check.py", "test_judged.py", "test_scale_out.py", "test_slurm.py",
+                 "test_reward_model.py", "test_qlora.py", "test_lr_find.py", "test_evaluation.py", "test_sweep.py",
+                 "test_grpo_loss.py", "test_reports.py", "test_data.py", "test_dpo.py", "test_tasks.py",
+                 "test_micro_batch.py", "test_grpo_example.py", "test_readme.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -207,9 +207,7 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
     if cfg.train_on_prompt:
         raise ConfigError("--train-on-prompt applies to supervised fine-tuning: DPO compares the completions' "
                           "log-probabilities, never the prompt's")
-    given = [what for what, value in (("--loss", job.loss or cfg.loss), ("--forward", job.forward)) if value is not None]
-    if given:
-        raise ConfigError(f"--objective dpo computes its own forward and loss; leave {given[0]} out")
+    own_forward_and_loss(cfg, job)
     sft_text = isinstance(job.data.train, Tokenized) and job.data.train.kind != "preference"  # padded by data/text.py
     if job.collate is None or sft_text:
         if not pairs:
@@ -224,6 +222,13 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
     job.forward, job.loss = DPOForward(Reference(mode)), dpo_loss(cfg.dpo_beta)
     job.loss_name = "dpo"
     job.metrics = {**dpo_metrics(cfg.dpo_beta), **(job.metrics or {})}
+
+
+def own_forward_and_loss(cfg: TrainConfig, job: Workload) -> None:
+    """An objective that computes its own forward and loss (dpo, grpo, reward): one line for a user's given ones."""
+    given = [what for what, value in (("--loss", job.loss or cfg.loss), ("--forward", job.forward)) if value is not None]
+    if given:
+        raise ConfigError(f"--objective {cfg.objective} computes its own forward and loss; leave {given[0]} out")
 
 
 def causal_lm(model, objective: str) -> None:

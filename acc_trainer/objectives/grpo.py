@@ -35,7 +35,7 @@ from accelerate.utils import gather_object
 
 from ..config import ConfigError, TrainConfig
 from ..workload.losses import Loss
-from .dpo import Reference, causal_lm, start_reference, unwrapped
+from .dpo import Reference, causal_lm, own_forward_and_loss, start_reference, unwrapped
 from .rewards import Applicable, Completions, _nanstd, advantages, reward_functions, score
 from .sampling import Sampling, completion_mask, generate_group, generate_rows, key, lockstep
 
@@ -185,9 +185,7 @@ class GRPO:
             raise ConfigError(f"--objective grpo generates from prompts (samples with a 'prompt': text or chat messages, "
                               f"other columns handed to the reward functions), and {job.dataset_name}'s samples are not "
                               "prompts")
-        given = [what for what, value in (("--loss", job.loss or cfg.loss), ("--forward", job.forward)) if value is not None]
-        if given:
-            raise ConfigError(f"--objective grpo computes its own forward and loss; leave {given[0]} out")
+        own_forward_and_loss(cfg, job)
         if job.tokenizer is None:
             raise ConfigError("--objective grpo decodes the completions for the reward functions: give --tokenizer")
         causal_lm(job.model, "grpo")

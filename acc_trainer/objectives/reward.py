@@ -27,7 +27,7 @@ from ..config import ConfigError, TrainConfig
 from ..data.text import Tokenized, pad_id, preference_collate
 from ..workload.components import Workload
 from ..workload.losses import Loss
-from .dpo import holds_pairs, unwrapped
+from .dpo import holds_pairs, own_forward_and_loss, unwrapped
 
 FIGURES = ("accuracy", "margin")
 
@@ -144,9 +144,7 @@ class RewardModel:
         if cfg.train_on_prompt:
             raise ConfigError("--train-on-prompt applies to supervised fine-tuning: a reward model scores whole "
                               "sequences")
-        given = [what for what, value in (("--loss", job.loss or cfg.loss), ("--forward", job.forward)) if value is not None]
-        if given:
-            raise ConfigError(f"--objective reward computes its own forward and loss; leave {given[0]} out")
+        own_forward_and_loss(cfg, job)
         pairs = holds_pairs(job, look=True)
         sft_text = isinstance(job.data.train, Tokenized) and job.data.train.kind != "preference"
         if (job.collate is None or sft_text) and not pairs:

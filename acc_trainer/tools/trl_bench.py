@@ -386,8 +386,7 @@ def markdown(rows: list[dict], cfg: TrainConfig, mode: str, args, machine: str, 
              "| tokens per CPU s | acc_trainer vs it (CPU) |",
              "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
     for r in rows:
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        each = "-" if r["ratios"] is None else f"{', '.join(f'{x:.3f}' for x in r['ratios'])} ({r['ratios_median']:.3f})"
+        ratio, each = _ratio_cells(r)
         lines.append(f"| {titles(mode)[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['samples_per_s']:,.1f} | {ratio} | {each} | "
                      f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} | {r['tokens_per_cpu_s']:,.0f} | "
@@ -398,6 +397,13 @@ def markdown(rows: list[dict], cfg: TrainConfig, mode: str, args, machine: str, 
               "s: the same tokens over the CPU seconds of every process in the timed steps (the work itself, steadier than wall "
               "time on a shared machine; medians, and their quotient).", ""]
     return "\n".join(lines)
+
+
+def _ratio_cells(r: dict) -> tuple[str, str]:
+    """A row's ratio to acc_trainer's median and each repeat's ratio (with their median), as the tables show them."""
+    ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+    each = "-" if r["ratios"] is None else f"{', '.join(f'{x:.3f}' for x in r['ratios'])} ({r['ratios_median']:.3f})"
+    return ratio, each
 
 
 def grpo_markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, load: str, setup: dict,
@@ -414,8 +420,7 @@ def grpo_markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, load: 
              "| acc_trainer vs it (CPU) |",
              "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        each = "-" if r["ratios"] is None else f"{', '.join(f'{x:.3f}' for x in r['ratios'])} ({r['ratios_median']:.3f})"
+        ratio, each = _ratio_cells(r)
         lines.append(f"| {titles('grpo')[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['samples_per_s']:,.1f} | {ratio} | {each} | "
                      f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} | {r['generation_share']:.1%} | "
