@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import qlora_probe  # noqa: E402 - after the skips
 from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, summary  # noqa: E402
-from lm_probe import base_model, documents, pad  # noqa: E402
+from lm_probe import base_model, chat_tokenizer, documents, pad  # noqa: E402
 
 TOLERANCE = 1e-5
 # The tiny Llama's weights in float32: 20,640 parameters (the output layer tied to the embeddings), 4 bytes each.
@@ -158,6 +158,30 @@ def test_dpo_on_a_model_loaded_in_4_bits_trains_against_its_adapters_off(runs, t
     base_weights = {n.replace("base_model.model.", "").replace(".base_layer", ""): p for n, p in model.named_parameters()
                     if "lora_" not in n}
     assert base_weights.keys() == frozen.keys() and all(torch.equal(p, frozen[n]) for n, p in base_weights.items())
+
+
+def test_grpo_on_a_base_loaded_in_4_bits_trains_its_adapters_against_them_off(runs, tmp_path):
+    """--objective grpo with --load-in-4bit: the reference is the model with its adapters off (the KL 0 at the first
+    step, where the adapters are zero), the adapters move, the same completions when the run is made again."""
+    import grpo_probe
+
+    import acc_trainer
+
+    options = dict(objective="grpo", rewards=grpo_probe.REWARDS, load_in_4bit=True, lora=4, init_from=str(runs[0]),
+                   grpo_beta=0.1, batch_size=12, num_generations=2, max_completion_length=6, max_steps=3,
+                   optimizer="sgd", lr=0.5, log_every=1, log_completions=1, progress="none", plots=False)
+    for name in ("grpo", "again"):
+        reset_accelerate()
+        with one_thread():
+            result = acc_trainer.fit(base_model(), *grpo_probe.data("base"), tokenizer=chat_tokenizer(),
+                                     output_dir=str(tmp_path / name), **options)
+        reset_accelerate()
+    assert "the reference is the model with its LoRA adapters off" in " ".join(result["notes"])
+    steps = [m for m in metrics(tmp_path / "grpo") if "loss" in m]
+    assert steps[0]["kl"] == pytest.approx(0, abs=1e-7) and len(steps) == 3
+    assert max(v.abs().max().item() for k, v in adapter(tmp_path / "grpo").items() if "lora_B" in k) > 1e-4
+    made = [(tmp_path / name / "completions.jsonl").read_text() for name in ("grpo", "again")]
+    assert made[0] == made[1] and made[0].count("\n") == 36
 
 
 @pytest.mark.parametrize("case", ["no bitsandbytes", "no lora", "fsdp", "reference copy"])
