@@ -65,6 +65,7 @@ def test_processes_and_accumulation_generate_the_same_completions_and_end_on_the
         assert summary(other)["eval"] == pytest.approx(summary(one / job)["eval"], abs=1e-5), (job, other)
     assert distance(weights(one / "base"), {k: v for k, v in start.items() if k in weights(one / "base")}) > 0.05
     assert max(v.abs().max().item() for k, v in weights(one / "lora").items() if "lora_B" in k) > 1e-3
+    assert (summary(one / "base")["global_batch_size"], summary(one / "base")["completions_per_step"]) == (6, 12)
     for folder in (one / "base", runs[2] / "base", runs[3] / "base", runs["fsdp"] / "base", runs[2] / "others"):
         evaluations = [row for row in metrics(folder) if "eval_samples" in row]
         assert [row["step"] for row in evaluations] == [2, 4] and {row["eval_samples"] for row in evaluations} == {5}

@@ -203,9 +203,10 @@ def _how_made(r: Run) -> dict:
         "distributed_type": accelerator.distributed_type.value,
         "device": accelerator.device.type,
         "mixed_precision": accelerator.mixed_precision,
-        "global_batch_size": cfg.batch_size,
+        "global_batch_size": cfg.batch_size,  # samples the loader deals a step (GRPO: prompts)
         "grad_accum": cfg.grad_accum,
         "per_process_batch_size": r.per_process_batch,
+        **({"completions_per_step": r.given.batch_size} if r.given and r.given.batch_size != cfg.batch_size else {}),
     }
 
 
