@@ -12,6 +12,7 @@ steps; 5 evaluation prompts (split unevenly over 2 and 3 processes), greedy.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,17 @@ def topic_said(prompts, completions, topic, **columns) -> list[float | None]:
     """The prompt's own column `topic` said in the completion (None: a prompt without a topic)."""
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
     return [None if t is None else float(t in text.split()) for t, text in zip(topic, texts, strict=True)]
+
+
+CALLS = []  # flaky's calls in this process
+
+
+def flaky(prompts, completions, **columns) -> list[float]:
+    """1 for each completion; on process 1 only, from its second call on (step 2's rollout), it raises."""
+    CALLS.append(len(completions))
+    if os.environ.get("RANK") == "1" and len(CALLS) > 2:  # its first call: the first-sample check's
+        raise ValueError("no reward on this process")
+    return [1.0] * len(completions)
 
 
 def prompts(n: int, seed: int, chat: bool = False) -> list[dict]:

@@ -211,3 +211,22 @@ def test_evaluate_and_predict_on_a_run_folder_made_from_objects(runs):
     assert found.pop("samples") == 5 and found == pytest.approx(summary(run)["eval"], abs=1e-9)
     assert [row["index"] for row in rows] == list(range(5))
     assert sum(row["output"]["reward"] for row in rows) / 5 == pytest.approx(found["reward"])
+
+
+def test_a_reward_function_that_fails_on_one_process_stops_both_in_one_line(tmp_path):
+    """A reward function that raises on process 1 alone (at the second step's rollout): every process ends with the
+    line naming the function, exit 2; process 0 does not wait at the step's next collective for a process gone."""
+    lm_probe.chat_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    with open(tmp_path / "prompts.jsonl", "w") as out:
+        for row in grpo_probe.prompts(16, 0):
+            out.write(json.dumps(row) + "\n")
+    result = launch("--model", "lm_probe:base_model", "--dataset", tmp_path / "prompts.jsonl", "--tokenizer",
+                    tmp_path / "tokenizer", "--objective", "grpo", "--rewards", "grpo_probe:flaky", "--batch-size", "8",
+                    "--num-generations", "2", "--max-completion-length", "3", "--max-steps", "4", "--progress", "none",
+                    "--no-plots", "--output-dir", tmp_path / "run", launcher_args=("--multi_gpu", "--num_processes", "2"),
+                    cwd=REPO / "tests", timeout=120)
+    # Process 0 says why (not "lost contact with another process", as it did while it waited alone).
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "lost contact" not in result.stderr
+    assert "acc-trainer: error (rank 0): the reward function flaky raised ValueError: no reward on this process (on the " \
+           "prompt " in result.stderr, result.stderr[-3000:]
+

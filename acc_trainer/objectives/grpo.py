@@ -34,6 +34,7 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 
 from ..config import ConfigError, TrainConfig
+from ..distributed.processes import each_tries
 from ..workload.losses import Loss
 from .dpo import Reference, causal_lm, own_forward_and_loss, start_reference, unwrapped
 from .rewards import Applicable, Completions, _nanstd, advantages, reward_functions, score
@@ -243,8 +244,12 @@ class GRPO:
                 made = [self._generated(policy, batch, step, together) for batch in prompts]
         finally:
             policy.train(was_training)
-        scorings = [m.pop("scoring") for m in made]
-        table = score(self.functions, functools.reduce(Completions.extend, scorings, Completions()))
+        scorings, tables = [m.pop("scoring") for m in made], []
+        # Every process scores its own completions; a reward function that fails on one is raised on every one, so that
+        # none waits for it at the step's next collective.
+        each_tries(lambda: tables.append(score(self.functions, functools.reduce(Completions.extend, scorings,
+                                                                                Completions()))))
+        table = tables[0]
         totals = (table * self.weights).nansum(1).masked_fill(table.isnan().all(1), math.nan)  # none applies: out
         std = None
         if self.cfg.scale_rewards == "batch":
