@@ -128,13 +128,15 @@ class Figures:
     """What users read at each log step besides the loss, summed on each process since the last log step."""
 
     names: list[str]
-    sums: dict[str, float] = field(default_factory=dict)
+    sums: dict = field(default_factory=dict)  # name -> a float or a device tensor
     lows: dict[str, float] = field(default_factory=dict)
     highs: dict[str, float] = field(default_factory=dict)
     values: dict[str, list[float]] = field(default_factory=dict)  # each reward given in the interval
 
-    def add(self, name: str, value: float) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value)
+    def add(self, name: str, value) -> None:
+        """A number, or a tensor kept where it is (the loss's figures: no host sync each micro-batch; read at log
+        steps)."""
+        self.sums[name] = self.sums.get(name, 0.0) + value
 
     def extreme(self, name: str, low: float, high: float) -> None:
         self.lows[name] = min(self.lows.get(name, math.inf), low)
@@ -164,7 +166,6 @@ class GRPO:
         self.sampling: Sampling | None = None
         self.tokenizer = None
         self.folder: Path | None = None  # where completions.jsonl goes (the run folder, set by the loop)
-        self.made: list | None = None  # the generation being trained on (--num-iterations), and its step
 
     @property
     def iterations(self) -> int:
@@ -406,7 +407,7 @@ class GRPO:
         names = sorted(f.sums)
         if not names:
             return {}
-        mine = [f.sums[n] for n in names] + [-f.lows.get("length", math.inf), f.highs.get("length", -math.inf)]
+        mine = [float(f.sums[n]) for n in names] + [-f.lows.get("length", math.inf), f.highs.get("length", -math.inf)]
         rows = torch.tensor([mine], dtype=torch.float64, device=accelerator.device)
         several = accelerator.num_processes > 1
         rows = accelerator.gather(rows) if several else rows
