@@ -143,6 +143,9 @@ class TrainConfig:
                                         "assistant's (the completion's)")
     chat_template: str | None = _opt(None, "a Jinja file of the chat template for messages, replacing the tokenizer's "
                                            "(and saved with it)", metavar="FILE")
+    token_cache: str = _opt("auto", "text data: the folder its tokens are kept in, reused by later runs (auto: "
+                            "$ACC_TRAINER_CACHE, else ~/.cache/acc_trainer/tokens; off: tokenized at every start)", metavar="DIR")
+    tokenize_workers: int | None = _opt(None, "text data: processes tokenizing it (default: the CPU cores, up to 8)")
 
     # Augmentation (training only; each sample's is a function of --seed, the epoch and its index).
     augment: str = _opt(
@@ -319,9 +322,7 @@ class TrainConfig:
         self._check_counts()
         self._check_hyperparameters()
         if self.batch_size % self.grad_accum:
-            raise ConfigError(
-                f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches"
-            )
+            raise ConfigError(f"--batch-size {self.batch_size} does not divide into --grad-accum {self.grad_accum} micro-batches")
         self._check_micro_batch()
         self._check_model_and_data()
         self._checkpoint_parts()  # parses --checkpoint-every
@@ -349,7 +350,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {getattr(self, name)}")
         for name in ("max_steps", "eval_batch_size", "image_size", "keep_last", "eval_every", "max_new_tokens",
-                     "max_length"):
+                     "max_length", "tokenize_workers"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
@@ -443,8 +444,7 @@ class TrainConfig:
 
     @property
     def checkpoint_steps(self) -> int | None:
-        steps = [p for p in self._checkpoint_parts() if p != "epoch"]
-        return int(steps[0]) if steps else None
+        return next((int(p) for p in self._checkpoint_parts() if p != "epoch"), None)
 
     @property
     def checkpoint_epochs(self) -> bool:
@@ -456,10 +456,8 @@ class TrainConfig:
         parts = [p.strip() for p in str(self.checkpoint_every).split(",")]
         steps = [p for p in parts if p != "epoch"]
         if len(steps) > 1 or any(not p.isdigit() or int(p) <= 0 for p in steps):
-            raise ConfigError(
-                f"--checkpoint-every takes a positive number of steps, 'epoch', or both ('500,epoch'); "
-                f"got {self.checkpoint_every!r}"
-            )
+            raise ConfigError(f"--checkpoint-every takes a positive number of steps, 'epoch', or both ('500,epoch'); "
+                              f"got {self.checkpoint_every!r}")
         return parts
 
     def to_dict(self) -> dict[str, Any]:
