@@ -322,3 +322,29 @@ def test_the_old_name_of_after_training_still_imports():
     from acc_trainer.trained.inference import evaluate
 
     assert evaluate is inference.evaluate is acc_trainer.evaluate and old_consolidating is consolidating
+
+
+# What asks which engine runs: Accelerate's distributed types of an engine, `is_fsdp2`, an engine compared by name, a
+# class name tested for FSDP2's renaming. Only the engines' rooms (and patches.py, the upstream workarounds) may.
+ENGINE_CHECK = re.compile(r"is_fsdp2|DistributedType\.(FSDP|DEEPSPEED|MEGATRON_LM)\b|engine\w*(\.name)?\s*[!=]=|"
+                          r"[!=]=\s*\"(DDP|FSDP|DEEPSPEED)\"|\"(DDP|FSDP|DEEPSPEED)\"\s*[!=]=|in \(\"(DDP|FSDP|DEEPSPEED)\"|"
+                          r"startswith\(\"FSDP\"\)")
+
+
+def engine_checks(source: str) -> list[str]:
+    return [line.strip() for line in source.splitlines() if ENGINE_CHECK.search(line) and not line.strip().startswith("#")]
+
+
+def test_only_the_engines_rooms_ask_which_engine_runs():
+    """What differs per engine (plain/DDP, FSDP2, DeepSpeed) is in its room, distributed/engines/; the rest of the run
+    asks the engine object. An `is_fsdp2`, a distributed type or an engine's name compared anywhere else fails here."""
+    rooms = PACKAGE / "distributed" / "engines"
+    found = {str(path.relative_to(PACKAGE)): engine_checks(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))
+             if rooms not in path.parents and path.name != "patches.py"}
+    assert {path: lines for path, lines in found.items() if lines} == {}
+    # The rule catches what it names (as the code was before the rooms).
+    assert len(engine_checks('    if group.engine != "DDP":\n        x = accelerator.is_fsdp2\n'
+                         '    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):\n'
+                         '    name = next(c for c in mro if not c.__name__.startswith("FSDP"))\n'
+                         '    if saved_engine == "DDP":\n')) == 5 and len(engine_checks(
+                             'if engine == "FSDP":\nif r.engine != "DDP":\nif "DEEPSPEED" == e:\n')) == 3

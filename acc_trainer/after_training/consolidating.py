@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from ..distributed.engines import whole_weights
 from ..flags import Parser
 from ..language.pretrained import MODEL_CONFIG
 from ..outputs.checkpoints import STATE_FILE, damage, unverified, write_sums
-from ..outputs.moving import whole_weights
 
 CONFIGS = ("config.json", "generation_config.json")  # a transformers model's, beside whole weights
 # The files a tokenizer's save_pretrained writes, kept beside the weights.

@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs, PartialState
-from accelerate.utils import DistributedType, broadcast, broadcast_object_list, gather_object
+from accelerate.utils import broadcast, broadcast_object_list, gather_object
 
 from .. import patches
 from ..config import ConfigError, TrainConfig, did_you_mean, first_line
@@ -33,7 +33,7 @@ class Group:
     DEEPSPEED), whether they run on the CPU, and the timeout of their collectives."""
 
     state: PartialState
-    engine: str
+    engine: engines.Engine
     cpu: bool
     timeout: InitProcessGroupKwargs
 
@@ -45,13 +45,10 @@ def start(cfg: TrainConfig) -> Group:
     # form one gloo group (MULTI_CPU) instead of running as independent copies.
     check_accelerate_environment()  # before Accelerate reads the variables (it raises on a bad one, deep inside)
     cpu = cfg.cpu or not torch.cuda.is_available()
-    engine = engines.requested()  # FSDP or DEEPSPEED when the accelerate config selects one, else DDP
+    engine = engines.requested()  # FSDP2 or DeepSpeed when the accelerate config selects one, else DDP
     patches.apply_to_process()  # Accelerate's per-step lookups once, and no DeepSpeed import (docs/performance.md)
-    if engine == "FSDP":
-        engines.check_fsdp(cfg)
-    if engine == "DEEPSPEED":
-        engines.check_deepspeed(cfg)
-        cpu = False  # Accelerate sets DeepSpeed up only without cpu=True (on a CPU it then runs one process)
+    engine.check(cfg)
+    cpu = engine.on_cpu(cpu)
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout))
     state = PartialState(cpu=cpu, **timeout.to_kwargs())
     warn_if_restarts_share_a_store(state)
@@ -164,14 +161,9 @@ def ranks_agree(accelerator: Accelerator, model) -> dict:
     """Whether every process holds the same weights, measured: `agree` is True or False when they were
     compared (each process's fingerprint of its whole model, gathered), None with the reason when there
     is nothing to compare (one process; FSDP and ZeRO-3 keep each weight once, sharded)."""
-    world, kind = accelerator.num_processes, accelerator.distributed_type
-    reason = None
-    if world == 1:
-        reason = "one process"
-    elif kind == DistributedType.FSDP:
-        reason = "FSDP keeps each weight once, sharded over the processes: there are no copies to compare"
-    elif kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        reason = "DeepSpeed ZeRO-3 keeps each weight once, sharded over the processes: there are no copies to compare"
+    world, sharded = accelerator.num_processes, engines.requested().weights_sharded_by()
+    reason = "one process" if world == 1 else sharded and (f"{sharded} keeps each weight once, sharded over the "
+                                                           "processes: there are no copies to compare")
     if reason:
         return {"agree": None, "detail": f"not checked: {reason}"}
     # DDP and ZeRO-1/2 keep a whole copy on every process (unwrap_model gives DeepSpeed's module too).

@@ -21,7 +21,6 @@ import hashlib
 import math
 import re
 import warnings
-from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import torch
 
 from ..config import ConfigError, TrainConfig, first_line
 from ..distributed import engines
+from ..distributed.engines.ddp import without_frozen
+from ..distributed.engines.fsdp2 import found_again  # noqa: F401 - its old place (a test imports it here)
 from ..workload import quantized
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -74,7 +75,7 @@ def apply_lora(cfg: TrainConfig, model):
         raise ConfigError(f"--lora: {first_line(e)}") from None
 
 
-def base_in_4bit(cfg: TrainConfig, model, job, engine: str, out):
+def base_in_4bit(cfg: TrainConfig, model, job, engine: engines.Engine, out):
     """The model; when the run trains on a 4-bit base (--load-in-4bit, or a model given in 4 bits to fit()), checked
     (LoRA, DDP, the reference), with --init-from's report, the base's kind and memory, in `out` (the run's Tuning:
     summary.json's `init`, the start line's note). The command line's base was loaded in 4 bits where its workload was
@@ -83,7 +84,7 @@ def base_in_4bit(cfg: TrainConfig, model, job, engine: str, out):
         return model
     if not quantized.is_4bit(model):
         model, job.init = quantized.load(cfg, lambda: model, job.model_name)
-    engines.check_4bit(engine)
+    engine.check_4bit()
     quantized.check(cfg, given=job.init is None)
     base = quantized.memory(model)
     out.init = {**(job.init or {"from": None, "loaded": 0, "reset": [], "missing": [], "unexpected": []}), "in_4bit": base}
@@ -149,37 +150,6 @@ def frozen_digest(model) -> dict | None:
     return {"parameters": count, "sha256": digest.hexdigest()} if count else None
 
 
-def found_again(model, names: set) -> list:
-    """The parameters NAMES (--freeze's, found before `prepare`) of a model FSDP2 has sharded: `fully_shard` replaces
-    every parameter with a sharded one, a new object, and gradients dropped from the old ones until --unfreeze-at
-    would leave the layers training (DDP and DeepSpeed keep the objects). Names are compared as Accelerate compares
-    them for FSDP2 (`fsdp2_canonicalize_names`: without torch.compile's `_orig_mod` and activation checkpointing's
-    `_checkpoint_wrapped_module`, which a model compiled by its user or Accelerate's FSDP2 options add)."""
-    from accelerate.utils.fsdp_utils import fsdp2_canonicalize_names
-
-    wanted = fsdp2_canonicalize_names(dict.fromkeys(names))
-    found = [p for name, p in fsdp2_canonicalize_names(dict(model.named_parameters())).items() if name in wanted]
-    if len(found) != len(names):  # renamed otherwise: they would train while meant to be frozen
-        raise RuntimeError(f"--freeze: {len(found)} of its {len(names)} parameters found after prepare; please report")
-    return found
-
-
-def without_frozen(model, state: dict) -> dict:
-    """`state` (the model's state dict) less the frozen parameters (tied names included): what a checkpoint keeps.
-    An OrderedDict, as a state dict is: Accelerate then writes a tensor shared by two names (tied weights) once. A
-    frozen 4-bit weight goes with its quantization state, which bitsandbytes writes beside it under its name
-    (`...weight.absmax`, `...weight.quant_map`, `...weight.quant_state.bitsandbytes__nf4`)."""
-    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
-    dropped = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.data_ptr() in frozen}
-    return OrderedDict((k, v) for k, v in state.items() if k not in dropped and not _state_of(k, dropped))
-
-
-def _state_of(key: str, weights: set) -> bool:
-    """Whether `key` names a part of one of `weights` (a 4-bit weight's quantization state: `<weight>.absmax`)."""
-    parts = key.split(".")
-    return any(".".join(parts[:i]) in weights for i in range(1, len(parts)))
-
-
 def check_frozen(resume: Path, saved: dict | None, model) -> None:
     """The frozen weights built again for a resumed run are the ones the checkpoint's run trained beside."""
     here = frozen_digest(model)
@@ -229,14 +199,7 @@ def save_adapter(model, folder: Path, state: dict | None = None) -> list[str]:
 def gathered_state(model, whole: bool = False) -> dict | None:
     """Every process: a sharded (FSDP2) peft model's weights gathered whole on the main process (the adapter's, or
     with `whole` all of them, for --lora-merge); None for a model each process holds whole (or not a peft model)."""
-    from ..distributed.engines import partitioned, zero3_state
-    from ..distributed.gathered import full_state, is_sharded
-
-    if is_peft(model) and partitioned(model):  # DeepSpeed ZeRO-3's partitions
-        return zero3_state(model, trainable_only=not whole)
-    if not (is_peft(model) and is_sharded(model)):
-        return None
-    return full_state(model, trainable_only=not whole)
+    return engines.gathered(model, trainable_only=not whole) if is_peft(model) else None
 
 
 def save_merged(model, folder: Path, state: dict | None = None) -> None:
@@ -263,20 +226,17 @@ def _plain_copy(model, state: dict):
     from peft import get_peft_model
 
     base = model.get_base_model()
-    # FSDP2 renames the class (FSDPLlamaForCausalLM); the model's own class is the first that is not FSDP's.
-    cls = next(c for c in type(base).__mro__ if not c.__name__.startswith("FSDP"))
+    cls = engines.own_class(base)  # FSDP2 renames the class (FSDPLlamaForCausalLM)
     with _old_names_quiet():
         plain = get_peft_model(cls(copy.deepcopy(base.config)), copy.deepcopy(model.peft_config[model.active_adapter]))
     plain.load_state_dict(state)
     return plain
 
 
-def check_merge_sharded(cfg: TrainConfig, model, engine: str) -> None:
+def check_merge_sharded(cfg: TrainConfig, model, engine: engines.Engine) -> None:
     """--lora-merge under FSDP (or DeepSpeed ZeRO-3) folds the adapters into a whole copy built from a transformers
     model's config: another model is refused at start, in one line."""
-    from ..distributed.engines import zero_stage
-
-    sharded = "FSDP" if engine == "FSDP" else "DeepSpeed ZeRO-3" if engine == "DEEPSPEED" and zero_stage() == 3 else None
+    sharded = engine.weights_sharded_by()
     if cfg.lora_merge and sharded and not hasattr(getattr(model, "config", None), "save_pretrained"):
         raise ConfigError(f"--lora-merge under {sharded} needs a transformers model (the merged copy is built again from "
                           f"its config, as sharded weights cannot be copied); {type(model).__name__} is not one: merge "
@@ -301,7 +261,7 @@ def freeze(cfg: TrainConfig, model, out) -> None:
     layers whose parameters are all frozen keep their running statistics (evaluation mode while frozen). `out`: the
     run's Tuning (training/setup.py), given the frozen parameters, their names and norm layers, and the note."""
     if cfg.freeze:
-        if cfg.unfreeze_at is not None and engines.requested() == "DEEPSPEED":
+        if cfg.unfreeze_at is not None and engines.requested().keeps_gradients:
             raise ConfigError("--unfreeze-at: DeepSpeed steps its optimizer inside the backward pass, before frozen "
                               "gradients can be dropped; use DDP or FSDP, or --freeze alone")
         pattern = re.compile(cfg.freeze)

@@ -64,7 +64,7 @@ def write_samples(r) -> None:
     """At an evaluation (main process only): each prompt's continuation by the evaluated model, printed,
     written to <run>/samples.jsonl (step, prompt, text) and sent to a tracker that takes text."""
     cfg, accelerator, step = r.cfg, r.accelerator, r.state.step
-    together = r.engine != "DDP"  # sharded weights: every process takes part in each forward pass
+    together = r.engine.shards  # sharded weights: every process takes part in each forward pass
     if not cfg.prompts or not (together or accelerator.is_main_process):
         return
     trained = r.trained

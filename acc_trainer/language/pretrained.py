@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError, first_line
+from ..distributed import engines
 from .adapters import is_peft, save_adapter
 
 MODEL_CONFIG = "model-config"  # where a checkpoint of sharded weights keeps the model's config (config_files)
@@ -61,7 +62,7 @@ def config_files(module, folder: Path, whole: bool = True, adapter: dict | None 
 
 def class_name(module) -> str:
     """The model's class, as its config.json names it (FSDP2 renames the class: FSDPGPT2LMHeadModel)."""
-    return next(c.__name__ for c in type(module).__mro__ if not c.__name__.startswith("FSDP"))
+    return engines.own_class(module).__name__
 
 
 def model_card_file(module, folder: Path, card: str) -> None:

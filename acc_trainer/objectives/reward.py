@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError, TrainConfig
 from ..data.text import Tokenized, pad_id, preference_collate
+from ..distributed import engines
 from ..workload.components import Workload
 from ..workload.losses import Loss
 from .dpo import holds_pairs, own_forward_and_loss, unwrapped
@@ -108,7 +109,7 @@ def score_head(model) -> None:
     """One line for a model that is not a sequence classifier with one output (a causal LM, num_labels != 1)."""
     inner = unwrapped(model)
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # a peft model's
-    name = next((c.__name__ for c in type(base).__mro__ if not c.__name__.startswith("FSDP")), type(base).__name__)
+    name = engines.own_class(base).__name__
     if not any(c.__name__.endswith("ForSequenceClassification") for c in type(base).__mro__):
         raise ConfigError(f"--objective reward trains a reward model, a sequence classifier with one output "
                           f"(AutoModelForSequenceClassification with num_labels=1), and {name} is not one: give e.g. "

@@ -30,8 +30,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..config import ConfigError, TrainConfig, first_line
+from ..distributed import engines
 from ..distributed.processes import main_decides
-from . import moving
 
 STATE_FILE = "trainer_state.json"
 SUMS = "SHA256SUMS"
@@ -284,7 +284,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
+def read_state(path: Path, cfg: TrainConfig, world: int, engine: str | engines.Engine) -> dict:
     """The checkpoint's trainer state, after checking it is whole and belongs to this run."""
     state_file = path / STATE_FILE
     try:
@@ -305,18 +305,11 @@ def read_state(path: Path, cfg: TrainConfig, world: int, engine: str) -> dict:
     ]
     if mismatches:
         raise ConfigError(f"checkpoint {path} is from a different run: {'; '.join(mismatches)}")
-    saved_engine = state.setdefault("engine", "DDP")
-    moving.check_move(path, saved_engine, state["world_size"], engine, world)
+    saved = engines.of(state.setdefault("engine", "DDP"))
+    engines.of(engine).check_move(path, saved, state["world_size"], world)
     names = {p.name for p in path.iterdir()}
     required = ["scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(min(world, state["world_size"]))]
-    if saved_engine == "DDP":
-        required += ["model.safetensors", "optimizer.bin"]
-    missing = [name for name in required if name not in names]
-    # FSDP and DeepSpeed name their files after the state-dict type; their loaders check the rest.
-    if saved_engine != "DDP" and not any(name.startswith("pytorch_model") for name in names):
-        missing.append("the model's pytorch_model* files")
-    if saved_engine == "FSDP" and not any(name.startswith("optimizer") for name in names):
-        missing.append("the optimizer's optimizer* files")
+    missing = [name for name in required if name not in names] + saved.missing_files(names)
     if missing:
         raise ConfigError(f"checkpoint {path} is incomplete: {', '.join(missing)} missing")
     state["step"] = step
@@ -356,7 +349,7 @@ def reading(path: Path):
             # torch warns that Accelerate's own files use pickle protocol 4: nothing the user can act on.
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             yield
-    except ConfigError:  # a check of the checkpoint's own (outputs/moving.py) says what is wrong already
+    except ConfigError:  # a check of the checkpoint's own (distributed/engines/) says what is wrong already
         raise
     except Exception as e:
         raise ConfigError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first_line(e)})") from None
@@ -390,7 +383,7 @@ def check_random_states(accelerator: Accelerator, path: Path, saved_world: int |
 
 def restore_random_states(path: Path, rank: int) -> None:
     """This process's generators from the checkpoint's random states of process `rank` (what `load_state` does, for a
-    checkpoint loaded without it: moving.load)."""
+    checkpoint loaded without it: Engine.move_in)."""
     _restore_random_states(path / f"random_states_{rank}.pkl")
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from .. import patches
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import overlapped
 from ..data.faults import sample_name, stream_faults, unreadable_everywhere
@@ -359,19 +358,16 @@ def save_checkpoint(r: Run, name: str | None = None) -> None:
     bad = r.state.losses.read(r.accelerator).bad
     if bad is not None and not r.cfg.skip_nonfinite:  # never checkpoint weights a NaN/inf has reached
         raise TrainingStopped(_nonfinite_message(bad, r.output.checkpoints.last), code=1)
-    saved = {**r.state.saved(r.accelerator), "world_size": r.world, "engine": r.engine,
+    saved = {**r.state.saved(r.accelerator), "world_size": r.world, "engine": r.engine.name,
              "parameters": r.trained.parameters, "frozen": r.trained.frozen, "config": r.cfg.to_dict()}
     with r.watch.slow("checkpoint"), r.output.checkpoints.writing(saved, name) as folder:
-        partly = bool(r.trained.frozen) and name != BEST  # the frozen base left out (DDP: a pre-hook of setup's)
-        # DeepSpeed leaves the frozen parameters out of its own files itself (exclude_frozen_parameters)
-        apart = {"exclude_frozen_parameters": True} if partly and r.engine == "DEEPSPEED" else {}
-        with patches.shared_tensors_unsaid(), patches.sharded_trainable_only(partly and r.engine == "FSDP"):
-            r.accelerator.save_state(str(folder), **apart)  # tied weights saved once
+        partly = bool(r.trained.frozen) and name != BEST  # the frozen base left out (the best stays a whole model)
+        r.engine.save_checkpoint(r.accelerator, folder, partly)
         module = r.accelerator.unwrap_model(r.trained.model, keep_torch_compile=False)
         adapter = gathered_state(module)  # a sharded model's adapter, gathered by every process
         if r.accelerator.is_main_process:  # a transformers model's config.json: it loads with from_pretrained too
             config_files(module, folder, whole=not r.trained.frozen or name == BEST, adapter=adapter,
-                         apart=r.engine != "DDP")
+                         apart=r.engine.shards)
             tokenizer_files(r.job.tokenizer, folder)
 
 

@@ -49,8 +49,8 @@ def given(cfg: TrainConfig, group: Group, resumed: dict | None) -> tuple[TrainCo
     if resumed and resumed["world_size"] == world and saved.get("micro_batch") == "auto":
         size = share // saved["grad_accum"]
         return replace(cfg, grad_accum=saved["grad_accum"]), [_said(size, share, "kept from the checkpoint")]
-    if group.engine != "DDP":
-        raise ConfigError(f"--micro-batch auto tries sizes on the whole model; under {group.engine} each process holds "
+    if group.engine.shards:
+        raise ConfigError(f"--micro-batch auto tries sizes on the whole model; under {group.engine.name} each process holds "
                           "a shard: give --micro-batch N (or --grad-accum)")
     return None
 

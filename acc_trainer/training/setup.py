@@ -4,7 +4,7 @@ failed start leaves nothing behind. `setup` returns the `Run` the loop (loop.py)
 
 Accelerate calls made here: `Accelerator(...)` (`accelerator_for`, which `evaluate`/`predict` use too),
 `prepare` (the model, the optimizer, the loaders and the scheduler: DDP, FSDP or DeepSpeed as the
-accelerate config selects, see engines.py), `load_state` when resuming and `register_for_checkpointing` for
+accelerate config selects, see distributed/engines/), `load_state` when resuming and `register_for_checkpointing` for
 the EMA weights (the trackers, built here, start in trackers.py).
 """
 
@@ -22,7 +22,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import (
     DistributedDataParallelKwargs,
-    DistributedType,
     GradientAccumulationPlugin,
     ProjectConfiguration,
     TorchDynamoPlugin,
@@ -38,8 +37,8 @@ from ..distributed import engines, processes
 from ..distributed.processes import Group
 from ..distributed.watchdog import Idle
 from ..language import adapters, pretrained
-from ..outputs import checkpoints, moving, trackers
-from ..outputs.checkpoints import BEST, Checkpoints
+from ..outputs import checkpoints, trackers
+from ..outputs.checkpoints import Checkpoints
 from ..outputs.progress import Progress, engine_name
 from ..outputs.runfiles import RunFiles, lock_run_folder, output_dir
 from ..workload.components import Workload
@@ -59,7 +58,7 @@ class Tuning:
 
     init: dict | None = None
     frozen: list = field(default_factory=list)  # parameters frozen until --unfreeze-at (or for good)
-    frozen_names: set = field(default_factory=set)  # their names, which `prepare` keeps (`_frozen_once_prepared`)
+    frozen_names: set = field(default_factory=set)  # their names, which `prepare` keeps (the engine's `after_prepare`)
     frozen_norms: list = field(default_factory=list)  # BatchNorm layers whose parameters are all frozen
     notes: list[str] = field(default_factory=list)
 
@@ -187,7 +186,7 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     # DDP fails at the second step when a parameter gets no gradient, unless it looks for such parameters
     # after every backward pass (a cost): asked for only when the first samples leave some unused.
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and world > 1 else []
-    regional = cfg.compile and group.engine == "DDP" and bool(repeated_blocks(job.model))
+    regional = cfg.compile and not group.engine.shards and bool(repeated_blocks(job.model))
     accelerator = accelerator_for(cfg, group, origin.folder, ddp, not regional, job.objective.reads_ahead)
     model, augment = _pieces(cfg, job, accelerator, group.engine, checked)
     if cfg.gradient_checkpointing:
@@ -213,15 +212,15 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     optimizer, scheduler, shape = _optimizer(cfg, model, job, origin.resumed, group.engine)
     train_loader, eval_loader = build_loaders(cfg, job.data, world, accelerator.device, augment, job.collate,
                                               accelerator.process_index, processes.summing(accelerator), job.dataset_name)
-    input_dtype, cut = engines.before_prepare(accelerator, model, cfg.batch_size // (world * cfg.grad_accum))
+    input_dtype, cut = group.engine.before_prepare(accelerator, model, cfg.batch_size // (world * cfg.grad_accum))
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler,
-        device_placement=_placement(accelerator, train_loader, eval_loader))
-    _frozen_once_prepared(tuning, frozen, accelerator, model, group.engine)
+        device_placement=group.engine.placement(_placement(accelerator, train_loader, eval_loader)))
+    tuning.frozen = group.engine.after_prepare(accelerator, model, tuning.frozen, tuning.frozen_names, bool(frozen))
     ema, averaged = _ema(cfg, accelerator, model)
     trained = Trained(model, optimizer, scheduler, ema, averaged, tuning, input_dtype, flops, shapes,
                       adapters.parameter_counts(model, tuning.frozen if cfg.unfreeze_at else None), frozen)
-    state = _state(cfg, accelerator, job, origin, trained, checked, shape)
+    state = _state(cfg, accelerator, job, origin, trained, checked, shape, group.engine)
     shape.start_step = state.step
     notes += cut + _start_notes(cfg, origin, world, job.data.notes)
     job.data.heads.clear()  # the first samples read for the checks at start (up to a global batch) are not kept
@@ -273,10 +272,10 @@ def _sized(cfg: TrainConfig, job: Workload, model, group: Group, accelerator: Ac
     return cfg, _checked(cfg, job, group.engine, group.state.num_processes), said
 
 
-def _checked(cfg: TrainConfig, job: Workload, engine: str, world: int) -> Checked:
+def _checked(cfg: TrainConfig, job: Workload, engine: engines.Engine, world: int) -> Checked:
     """The first-sample check (first_batch.check_fit) on a process's micro-batch."""
     checked = check_fit(job, cfg.batch_size // (world * cfg.grad_accum))
-    return _per_micro_batch(checked) if checked.items and engine == "DEEPSPEED" else checked
+    return _per_micro_batch(checked) if checked.items and engine.keeps_gradients else checked
 
 
 def _flops(job: Workload, model, accelerator: Accelerator) -> float:
@@ -297,25 +296,24 @@ def _device_notes(accelerator: Accelerator) -> list[str]:
 
 
 def _state(cfg: TrainConfig, accelerator: Accelerator, job: Workload, origin: _Origin, trained: Trained,
-           checked: Checked, shape: Shape) -> RunState:
+           checked: Checked, shape: Shape, engine_: engines.Engine) -> RunState:
     """The run's progress: new, or the checkpoint's (its weights, optimizer, scheduler, random states and state
-    loaded into the prepared objects; from another engine's checkpoint through outputs/moving.py)."""
+    loaded into the prepared objects; from another engine's checkpoint through its room, distributed/engines/)."""
     state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, checked.items))
     if job.data.kind.train.stream:
         state.stream = stream_position(0, 0, shape.per_epoch)
     if origin.resumed:
         partial = bool(origin.resumed.get("frozen"))  # the frozen weights are not in it: built again above
-        saved_world = origin.resumed["world_size"]
-        deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-        if partial and not deepspeed:  # DeepSpeed restores what trains from its optimizer's own copy
-            adapters.check_holds_trainable(origin.resume, accelerator.unwrap_model(trained.model, keep_torch_compile=False))
-        with checkpoints.reading(origin.resume), patches.sharded_trainable_only(partial and accelerator.is_fsdp2):
-            if moving.crosses_engines(origin.resumed["engine"], engines.requested()):
-                moving.load(accelerator, trained.model, trained.optimizer, trained.scheduler, origin.resume, partial)
+        saved_world, saved, engine = origin.resumed["world_size"], engines.of(origin.resumed["engine"]), engine_
+        if partial:
+            engine.check_holds_trainable(origin.resume, accelerator.unwrap_model(trained.model, keep_torch_compile=False),
+                                         adapters.check_holds_trainable)
+        with checkpoints.reading(origin.resume):
+            if saved.name != engine.name:
+                engine.move_in(accelerator, trained.model, trained.optimizer, trained.scheduler, origin.resume, saved, partial)
                 checkpoints.restore_random_states(origin.resume, min(accelerator.process_index, saved_world - 1))
-            else:  # strict=False lets the frozen tensors be missing (DeepSpeed's own loader takes no `strict`)
-                missing = {"load_module_strict": False} if deepspeed else {"strict": False}
-                accelerator.load_state(str(origin.resume), **(missing if partial else {}))
+            else:
+                engine.load_checkpoint(accelerator, origin.resume, partial)
         checkpoints.check_random_states(accelerator, origin.resume, saved_world)
         state.load(origin.resumed, accelerator.process_index, accelerator.num_processes)
     return state
@@ -335,7 +333,7 @@ def _start_notes(cfg: TrainConfig, origin: _Origin, world: int, data_notes: list
 def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, ddp: list | None = None,
                     compile_whole: bool = True, reads_ahead: bool = False) -> Accelerator:
     """The Accelerator of a run, or of `evaluate`/`predict` (no folder: no trackers, no compilation): the
-    precision, the loaders' configuration, the process group's timeout, and the engine set up (engines.py).
+    precision, the loaders' configuration, the process group's timeout, and the engine set up (its room in distributed/engines/).
     `reads_ahead`: a step's micro-batches are read before its first trains (GRPO's rollout), so an accumulation ends
     every grad_accum micro-batches, never where the loader says it has ended (the run's steps are whole anyway)."""
     training = folder is not None
@@ -352,9 +350,9 @@ def accelerator_for(cfg: TrainConfig, group: Group, folder: Path | None = None, 
         if training else None,
         dataloader_config=dataloader_config(cfg),
         kwargs_handlers=[group.timeout, *(ddp or [])],
-        deepspeed_plugin=engines.deepspeed_plugin(cfg) if group.engine == "DEEPSPEED" and training else None,
+        **(group.engine.accelerator_kwargs(cfg) if training else {}),
     )
-    engines.set_up(accelerator, group.engine if training else "DDP")  # FSDP on CPU processes; no engine silently replaced
+    (group.engine if training else engines.DDP()).set_up(accelerator)  # FSDP on CPU processes; no engine replaced
     patches.apply_to(accelerator)  # this accelerator's backward without a division by one
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "fp16":
         raise ConfigError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no")
@@ -369,12 +367,10 @@ def _origin(cfg: TrainConfig, job: Workload, group: Group) -> _Origin:
     return _Origin(folder, resume, resumed, notes)
 
 
-def _placement(accelerator: Accelerator, train_loader, eval_loader) -> list | None:
+def _placement(accelerator: Accelerator, train_loader, eval_loader) -> list:
     """Batches of tensors already on the training device need no copy: Accelerate's send_to_device would
-    still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed and Megatron-LM refuse
-    the list; FSDP2 and tensor parallelism ignore it."""
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        return None
+    still walk every batch (12 us of a 90 us step of a small model here). DeepSpeed refuses the list (its room says
+    so); FSDP2 and tensor parallelism ignore it."""
     return [None, None, *(False if on_device(loader, accelerator.device) else None
                           for loader in (train_loader, eval_loader)), None]
 
@@ -441,8 +437,8 @@ def _pieces(cfg: TrainConfig, job: Workload, accelerator: Accelerator, engine: s
         raise ConfigError("--augment, --mixup and --cutmix work on batches of images (--augment auto: standard for "
                           "cifar10/cifar100); with --collate, give --augment none and augment in the dataset or the "
                           "collate function")
-    if cfg.ema and engine != "DDP":
-        raise ConfigError(f"--ema needs the whole model on every process; with {engine} each holds a shard")
+    if cfg.ema and engine.shards:
+        raise ConfigError(f"--ema needs the whole model on every process; with {engine.name} each holds a shard")
     return model, augment
 
 
@@ -460,7 +456,7 @@ def _notes(checked: Checked, model, world: int, engine: str) -> list[str]:
         shown = ", ".join(checked.unused[:5]) + (f" and {len(checked.unused) - 5} more" if len(checked.unused) > 5 else "")
         notes.append(f"the forward never uses {shown} (no gradient from the first samples)" +
                      ("; DDP looks for unused parameters after every backward pass (find_unused_parameters)"
-                      if world > 1 and engine == "DDP" else ""))
+                      if world > 1 and not engine.shards else ""))
     if checked.loss_per == "position":
         notes.append(f"the loss {checked.loss_name} is a mean over each micro-batch's positions (tokens, pixels): where "
                      "their number varies (padding, labels of -100), micro-batches weigh unequally and training depends "
@@ -489,7 +485,7 @@ def _optimizer(cfg: TrainConfig, model, job: Workload, resumed: dict | None = No
                           "advance: use --scheduler cosine or onecycle with --max-steps, or give the stream a __len__")
     lr = cfg.lr * cfg.batch_size / cfg.lr_reference_batch if cfg.scale_lr else cfg.lr
     optimizer = build_optimizer(cfg, param_groups(cfg, model, lr), lr, job.optimizer,
-                                fused=cfg.fused_optimizer and engine == "DDP")
+                                fused=cfg.fused_optimizer and not engine.shards)
     scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch, job.scheduler)
     epochs = math.ceil(total_steps / per_epoch) if per_epoch else None if cfg.max_steps else cfg.epochs
     return optimizer, scheduler, Shape(total_steps, per_epoch, epochs, cfg.checkpoint_steps, 0)
@@ -522,22 +518,6 @@ def _reference(cfg: TrainConfig, job: Workload, model, resumed: dict | None, acc
     reload = cfg.init_from and resumed and not resumed.get("frozen")  # --init-from skipped above: the copy gets it
     return job.objective.start(model, partial(checkpoints.initial_weights, path=cfg.init_from,
                                               strict=cfg.init_strict) if reload else None, accelerator.autocast)
-
-
-def _trainable_only(models: list, weights: list, folder: str) -> None:
-    """`save_state`'s pre-hook for a model with frozen parameters: the weights it writes, less the frozen ones.
-    The best checkpoint stays whole: it is a model to use, not only a point to resume from."""
-    if Path(folder).name != f".tmp-{BEST}":
-        weights[0] = adapters.without_frozen(models[0], weights[0])
-
-
-def _frozen_once_prepared(tuning: Tuning, frozen: dict | None, accelerator: Accelerator, model, engine: str) -> None:
-    """--freeze once the model is prepared: FSDP2's sharded parameters in place of those it replaced
-    (adapters.found_again); under DDP, checkpoints of what trains (a hook; FSDP2's: patches.sharded_trainable_only)."""
-    if frozen and engine == "DDP":
-        accelerator.register_save_state_pre_hook(_trainable_only)
-    if accelerator.is_fsdp2:
-        tuning.frozen = adapters.found_again(model, tuning.frozen_names)
 
 
 def _ema(cfg: TrainConfig, accelerator: Accelerator, model) -> tuple:

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
-from .. import patches
 from ..config import TrainConfig
 from ..distributed import engines, processes
 from ..language.adapters import gathered_state, is_peft, save_merged
@@ -42,12 +40,12 @@ def finish(r: Run) -> dict:
     # Accelerate saves a compiled model under its wrapper's names (`_orig_mod.fc1.weight`); saved from
     # the module itself, the weights load into the model as the user built it. FSDP and DeepSpeed need
     # their wrapper to gather the full weights.
-    to_save = trained.model if r.engine != "DDP" else accelerator.unwrap_model(trained.model, keep_torch_compile=False)
+    to_save = r.engine.module_to_save(accelerator, trained.model)
     to_save = trained.ema.module if trained.ema else to_save
     card = model_card(r, accelerator.unwrap_model(to_save, keep_torch_compile=False)) \
         if accelerator.is_main_process else None
     try:
-        save_weights(accelerator, to_save, output.folder, r.cfg.lora_merge, r.job.tokenizer, card)
+        save_weights(accelerator, to_save, output.folder, r.cfg.lora_merge, r.job.tokenizer, card, r.engine)
     except WRITE_ERRORS as e:
         if not accelerator.is_main_process:
             raise
@@ -75,7 +73,7 @@ def finish(r: Run) -> dict:
 
 
 def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = False, tokenizer=None,
-                 card: str | None = None) -> None:
+                 card: str | None = None, engine: engines.Engine | None = None) -> None:
     """The final weights (`save_model`: model.safetensors, or its shards and their index), written as
     checkpoints are: into a temporary folder, moved into place once whole, then listed with their digests in
     `folder/SHA256SUMS` (`evaluate`/`predict` verify them). A run stopped while writing leaves no half file. `card`:
@@ -96,13 +94,7 @@ def save_weights(accelerator: Accelerator, model, folder: Path, merge: bool = Fa
                     save_merged(module, tmp / "merged", gathered)
                     tokenizer_files(tokenizer, tmp / "merged")
         else:
-            with patches.shared_tensors_unsaid():  # tied weights, saved once and tied again on load
-                if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-                    state = accelerator.get_state_dict(model)  # gathered by every process (ZeRO-3's, FSDP2's shards)
-                    if accelerator.is_main_process:  # a tied weight once, as DDP's file holds it
-                        engines.save_state_dict(state, module, tmp)
-                else:
-                    accelerator.save_model(model, tmp)  # every process lists the folder: it stays until all are done
+            (engine or engines.DDP()).save_weights(accelerator, model, module, tmp)  # tied weights saved once, tied again on load
             if accelerator.is_main_process:  # a transformers model's config.json: the folder loads with from_pretrained
                 written = config_files(module, tmp)
         if accelerator.is_main_process:  # the run's tokenizer: AutoTokenizer.from_pretrained(folder) too
