@@ -67,16 +67,16 @@ class TrainConfig:
     model: str = _opt(
         "lenet", f"model: a built-in one ({', '.join(MODELS)}), torchvision:<name>, timm:<name>, or an import path "
         "pkg.module:factory (a function or class returning an nn.Module)", metavar="NAME|PATH")
-    dataset: str = _opt(
+    dataset: str | list = _opt(
         "synthetic", f"dataset: a built-in one ({', '.join(DATASETS)}), an import path pkg.module:factory "
         "returning (train_dataset, eval_dataset), or files of samples: a .jsonl, .json or .parquet file, or a folder "
         "of them or of a Hugging Face dataset's save_to_disk (chat messages, prompt/completion or text data are "
-        "tokenized with --tokenizer)", metavar="NAME|PATH")
+        "tokenized with --tokenizer); given more than once, each NAME=WEIGHT (1 if left out), the sets are mixed "
+        "with those weights (docs/data.md#mixtures)", metavar="NAME|PATH[=WEIGHT]")
     model_args: dict | None = _opt(
         None, "keyword arguments for the model factory, a YAML/JSON mapping, e.g. '{width: 64, dropout: 0.1}' (a "
         "num_classes parameter gets the data's number of classes unless set here)", metavar="MAPPING")
-    dataset_args: dict | None = _opt(None, "keyword arguments for the dataset factory, a YAML/JSON mapping",
-                                     metavar="MAPPING")
+    dataset_args: dict | None = _opt(None, "keyword arguments for the dataset factory, a YAML/JSON mapping", metavar="MAPPING")
     loss: str | None = _opt(
         None, "loss: cross_entropy, mse, l1, smooth_l1, bce_with_logits, or pkg.module:function(outputs, targets) "
         "(default: the model's own loss when its outputs carry one, else cross-entropy for class labels, MSE for "
@@ -151,8 +151,7 @@ class TrainConfig:
     augment: str = _opt(
         "auto", "none; standard: random crop (4 px padding) + flip, RandomResizedCrop + flip for imagefolder; "
         "trivialaugment: standard + TrivialAugmentWide; auto: standard for cifar10/cifar100, else none (imagefolder and your "
-        "own data opt in)",
-        choices=AUGMENTS)
+        "own data opt in)", choices=AUGMENTS)
     mixup: float = _opt(0.0, "mix each training image with a partner sample, weight ~ Beta(A, A) (torchvision's "
                              "reference: 0.2); 0: off", metavar="A")
     cutmix: float = _opt(0.0, "paste a box of a partner sample, area ~ Beta(A, A) (torchvision's reference: 1.0); "
@@ -166,17 +165,14 @@ class TrainConfig:
     epochs: int = _opt(3, "passes over the training set")
     max_steps: int | None = _opt(None, "train exactly this many optimizer steps, over as many epochs as that takes "
                                        "(--epochs applies when this is not given)")
-    batch_size: int = _opt(
-        128, "GLOBAL batch per optimizer step, summed over processes and accumulation micro-batches"
-    )
+    batch_size: int = _opt(128, "GLOBAL batch per optimizer step, summed over processes and accumulation micro-batches")
     grad_accum: int = _opt(1, "micro-batches accumulated per optimizer step")
     micro_batch: str | None = _opt(
         None, "samples per process in one forward pass, the rest of --batch-size made up by accumulation (sets "
               "--grad-accum); auto: the largest that fits the device's memory, halving from the global batch's share",
         metavar="N|auto")
-    eval_batch_size: int | None = _opt(
-        None, "evaluation batch PER PROCESS (default: the per-process training micro-batch); results do not depend on it"
-    )
+    eval_batch_size: int | None = _opt(None, "evaluation batch PER PROCESS (default: the per-process training "
+                                             "micro-batch); results do not depend on it")
 
     # Starting point (fine-tuning).
     init_from: str | None = _opt(
@@ -235,11 +231,8 @@ class TrainConfig:
     max_grad_norm: float | None = _opt(None, "clip the gradient norm to this value at every optimizer step")
 
     # Devices and precision.
-    mixed_precision: str | None = _opt(
-        None,
-        "no, fp16 or bf16 (default: what the accelerate config says when launched with one, else no)",
-        choices=PRECISIONS,
-    )
+    mixed_precision: str | None = _opt(None, "no, fp16 or bf16 (default: what the accelerate config says when "
+                                       "launched with one, else no)", choices=PRECISIONS)
     cpu: bool = _opt(False, "train on the CPU even when a GPU is present")
     sync_bn: bool = _opt(False, "convert BatchNorm layers to SyncBatchNorm (statistics over all processes)")
     compile: bool = _opt(False, "compile the model with torch.compile (inductor), through Accelerate")
@@ -248,10 +241,8 @@ class TrainConfig:
         False, "recompute activations in the backward pass instead of keeping them (less memory, more compute): a "
         "transformers model's own switch, non-reentrant")
     tf32: bool = _opt(True, "on GPUs from Ampere on, let float32 matmuls and convolutions use TF32 tensor cores")
-    dist_timeout: int = _opt(
-        1800, "seconds a process waits for the others at a collective before failing with an error (the backstop: "
-        "--hang-timeout finds a hung process sooner)"
-    )
+    dist_timeout: int = _opt(1800, "seconds a process waits for the others at a collective before failing with an "
+                             "error (the backstop: --hang-timeout finds a hung process sooner)")
     hang_timeout: float | None = _opt(
         None, "seconds without progress after which a process counts as hung: the run names the process that holds "
         "the others up (and prints its Python stacks), then stops every process (default: 20 x the run's median step "
@@ -303,9 +294,8 @@ class TrainConfig:
         "the summary) instead of stopping")
     skip_nonfinite: bool = _opt(False, "skip optimizer steps whose loss is NaN/inf (counted in the summary) instead of stopping")
     plots: bool = _opt(True, "draw the run's figures into <output-dir>/plots/ at its end")
-    progress: str = _opt(
-        "auto", "rich: live bars; plain: one line per log step; auto: rich on a terminal, else plain", choices=PROGRESS
-    )
+    progress: str = _opt("auto", "rich: live bars; plain: one line per log step; auto: rich on a terminal, else plain",
+                         choices=PROGRESS)
 
     def _check_micro_batch(self) -> None:
         if self.micro_batch is None:
@@ -381,13 +371,14 @@ class TrainConfig:
             raise ConfigError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
 
     def _check_model_and_data(self) -> None:
-        """--model, --dataset, --collate and --forward: a built-in name or an import path."""
-        if is_data_path(self.dataset) and not Path(self.dataset).exists():
-            raise ConfigError(f"--dataset {self.dataset}: no such file or folder")
+        """--model, --dataset (each set of a mixture), --collate and --forward: a built-in name or an import path."""
+        sets = [name for name, _ in dataset_sets(self.dataset)]
+        for dataset in sets:
+            if is_data_path(dataset) and not Path(dataset).exists():
+                raise ConfigError(f"--dataset {dataset}: no such file or folder")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError(f"--chat-template {self.chat_template}: no such file")
-        for name, builtins in (("model", MODELS), ("dataset", DATASETS)):
-            value = getattr(self, name)
+        for name, builtins, value in (("model", MODELS, self.model), *(("dataset", DATASETS, d) for d in sets)):
             if value not in builtins and not IMPORT_PATH.match(value) and not (name == "dataset" and is_data_path(value)):
                 raise ConfigError(f"unknown {name} {value!r}; choose from {', '.join(builtins)}, or give an import path "
                                   f"pkg.module:factory" + (", torchvision:<name> or timm:<name>" if name == "model" else "")
@@ -469,6 +460,15 @@ def is_data_path(dataset: str) -> bool:
     than a built-in dataset or an import path."""
     return dataset not in DATASETS and not IMPORT_PATH.match(dataset) and (
         dataset.endswith(DATA_FILES) or "/" in dataset or Path(dataset).exists())
+
+
+def dataset_sets(dataset: str | list) -> list[tuple[str, float]]:
+    """--dataset's sets with their weights: one set (weight 1), or a mixture's, each NAME=WEIGHT (1 if left out)."""
+    sets = [d.rpartition("=")[::2] if "=" in d else (d, "1") for d in dataset] if isinstance(dataset, list) else [(dataset, "1")]
+    bad = next((f"{n}={w}" for n, w in sets if not re.fullmatch(r"(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", w) or not float(w) > 0), None)
+    if bad:
+        raise ConfigError(f"--dataset {bad}: a mixture's sets are NAME=WEIGHT, each weight a positive number (chat.jsonl=0.7)")
+    return [(n, float(w)) for n, w in sets]
 
 
 def _flag(name: str) -> str:
@@ -573,6 +573,10 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
                 raise TypeError
             return float(value)
         if base == "str":
+            if "list" in kind and isinstance(value, (list, dict)) and value:  # --dataset: a mixture (data/mixtures.py)
+                value = [f"{k}={w}" for k, w in value.items()] if isinstance(value, dict) else [f"{k}={w}" for i in value
+                         for k, w in i.items()] if all(isinstance(i, dict) for i in value) else value
+                return [str(v).strip() for v in value] if len(value) > 1 or "=" in str(value[0]) else str(value[0]).strip()
             if isinstance(value, (dict, list)):
                 raise TypeError
             return str(value)

@@ -153,7 +153,9 @@ def _add_option(group, f, hidden: bool) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         return
     base = {"int": int, "float": float}.get(kind.split("|")[0].strip(), str)
-    group.add_argument(flag, type=base, choices=f.metadata.get("choices"), metavar=_metavar(f, base), **common)
+    many = kind.replace(" ", "") == "str|list"  # --dataset, once for each set of a mixture (data/mixtures.py)
+    group.add_argument(flag, type=base, choices=f.metadata.get("choices"), metavar=_metavar(f, base),
+                       action="append" if many else "store", **common)
 
 
 def _metavar(f, base) -> str:

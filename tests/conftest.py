@@ -43,6 +43,14 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _token_cache(tmp_path_factory):
+    """Every run of the suite keeps its tokens in a folder of the session's (--token-cache auto reads
+    ACC_TRAINER_CACHE), never in the user's ~/.cache; the suite's subprocesses inherit it through _env."""
+    os.environ["ACC_TRAINER_CACHE"] = str(tmp_path_factory.mktemp("token-cache"))
+    yield
+
+
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, **extra)

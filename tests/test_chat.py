@@ -21,7 +21,7 @@ import lm_probe  # noqa: E402 - after the skips
 from conftest import summary  # noqa: E402
 
 from acc_trainer.config import ConfigError, TrainConfig  # noqa: E402
-from acc_trainer.data import packing  # noqa: E402
+from acc_trainer.data import packing, token_cache  # noqa: E402
 from acc_trainer.data import text as chat  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def trl_rows(rows, tokenizer, tmp_path, **config) -> list[dict]:
 
 
 def ours(rows, tokenizer, **options) -> chat.Tokenized:
-    return chat.TextSets(tokenizer, TrainConfig(**options))(rows, None, "rows")[0]
+    return token_cache.TextSets(tokenizer, TrainConfig(**options))(rows, None, "rows")[0]
 
 
 def with_and_without_generation_blocks(template: str) -> tuple[str, str]:

@@ -87,12 +87,12 @@ def test_a_start_that_fails_after_locking_lets_the_folder_go(tmp_path, monkeypat
     """A failure between locking the folder and the first step (here the start line) leaves no lock behind: the
     same process can start a run on the folder again at once."""
     import acc_trainer
-    from acc_trainer.training import setup
+    from acc_trainer.outputs import run_folder
 
     def broken(r):
         raise RuntimeError("the start line failed")
 
-    monkeypatch.setattr(setup, "_announce", broken)
+    monkeypatch.setattr(run_folder, "announce", broken)
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="the start line failed") as failed:
         acc_trainer.fit(torch.nn.Linear(4, 2), Files(), None, epochs=1, batch_size=8, progress="none", plots=False,

@@ -163,7 +163,6 @@ def test_a_two_process_run_loads_where_users_load_models(runs):
 
 def test_bf16_on_a_cpu_without_bf16_instructions_says_it_will_be_slow(tmp_path, monkeypatch):
     import acc_trainer
-    from acc_trainer.training import setup
     from acc_trainer.workload import measure
 
     (tmp_path / "avx2").write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
@@ -173,7 +172,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_it_will_be_slow(tmp_path, 
     assert found == {"avx2": False, "zen4": True, "graviton3": True}
     notes = {}
     for name in ("avx2", "zen4"):
-        monkeypatch.setattr(setup, "cpu_bf16_instructions", lambda name=name: found[name])
+        monkeypatch.setattr(measure, "cpu_bf16_instructions", lambda name=name: found[name])
         reset_accelerate()
         model = lm_probe.base_model()
         with one_thread():

@@ -348,3 +348,38 @@ def test_only_the_engines_rooms_ask_which_engine_runs():
                          '    name = next(c for c in mro if not c.__name__.startswith("FSDP"))\n'
                          '    if saved_engine == "DDP":\n')) == 5 and len(engine_checks(
                              'if engine == "FSDP":\nif r.engine != "DDP":\nif "DEEPSPEED" == e:\n')) == 3
+
+
+def modules_named(name: str, tree: ast.Module, known: set[str]) -> set[str]:
+    """The package's modules `name` names in its imports: `from ..outputs import run_folder` names outputs/run_folder,
+    not the sub-package around it; `from .state import Clock` names training/state."""
+    package = name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(anchor + ([node.module] if node.module else []))
+            out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("acc_trainer"):
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names}
+    return out - {"acc_trainer"}
+
+
+def test_setup_reads_as_a_recipe():
+    """training/setup.py's `setup` is the stages in one order, written once (docs/layout.md, "Setup, a recipe"): at most
+    40 lines, each stage a function of the part it concerns, so setup.py names at most 15 of the package's modules.
+    The stages come in the documented order."""
+    trees = modules()
+    tree = trees["acc_trainer.training.setup"]
+    named = modules_named("acc_trainer.training.setup", tree, set(trees))
+    assert len(named) <= 15, sorted(named)
+    (recipe,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "setup"]
+    assert recipe.end_lineno - recipe.lineno + 1 <= 40
+    source = ast.get_source_segment((PACKAGE / "training" / "setup.py").read_text(), recipe)
+    stages = ["_per_step(", "run_folder.origin(", "scoring.first_samples(", "_accelerator(", "adapters.starting_weights(",
+              "adapters.as_it_trains(", "_reference(", "scoring.sized(", "_prepared(", "run_state.started(",
+              "run_folder.opened("]
+    assert [source.count(stage) for stage in stages] == [1] * len(stages)  # each once
+    assert [source.index(stage) for stage in stages] == sorted(source.index(stage) for stage in stages)
+    documented = re.findall(r"^\d+\. \*\*(.+?)\*\*", (PACKAGE.parent / "docs" / "layout.md").read_text(), re.M)
+    assert len(documented) >= 8 and documented[0].startswith("The objective")

@@ -143,7 +143,7 @@ def run_allreduce(job: dict, out: Path) -> dict:
 MAIN_FAILS = {
     "run folder's name": ("acc_trainer.outputs.runfiles._unused", {"output_dir": None}),
     "folder in use": ("acc_trainer.outputs.runfiles.check_not_in_use", {}),
-    "folder's lock": ("acc_trainer.training.setup.lock_run_folder", {}),
+    "folder's lock": ("acc_trainer.outputs.run_folder.lock_run_folder", {}),
     "checkpoint to resume": ("acc_trainer.outputs.checkpoints._chosen", {"resume": "auto"}),
     "trackers' start": ("acc_trainer.outputs.trackers.start", {"log_with": "tensorboard"}),
     "micro-batch try": ("acc_trainer.training.micro_batch._fits", {"micro_batch": "auto"}),

@@ -551,7 +551,7 @@ def _workload(cfg: TrainConfig, weights: Path, split: str):
     ready(cfg, job, weights, cfg.model)
     dataset = job.data.eval if split == "eval" else job.data.train
     if dataset is None:
-        raise ConfigError(f"{cfg.dataset} has no evaluation set; give --split train or another --dataset")
+        raise ConfigError(f"{job.dataset_name} has no evaluation set; give --split train or another --dataset")
     # The first-sample check and everything after it read this split only.
     job.data = settle(Data(dataset, None, job.data.task, job.data.num_classes, job.data.input_shape), cfg.data_pipeline,
                       job.collate)
@@ -571,7 +571,7 @@ def main_evaluate(argv: list[str]) -> None:
     results = _evaluate(cfg, job, dataset, group)
     if PartialState().is_main_process:
         tables = results.pop("tables", {})
-        print(f"{cfg.model} ({weights}) on {cfg.dataset} ({split}): {format_results(results)}")
+        print(f"{cfg.model} ({weights}) on {job.dataset_name} ({split}): {format_results(results)}")
         if output is not None:
             output.write_text(json.dumps({**results, **tables, "weights": str(weights), "split": split}, indent=1))
 
@@ -595,5 +595,5 @@ def main_predict(argv: list[str]) -> None:
     written, count = _predict(cfg, job, dataset, output, group, given.generate)
     if PartialState().is_main_process:
         what = "generated text" if given.generate else "predictions"
-        print(f"{what} of {cfg.model} for {count:,} samples of {cfg.dataset} ({split}) in {written}",
+        print(f"{what} of {cfg.model} for {count:,} samples of {job.dataset_name} ({split}) in {written}",
               file=sys.stdout)

@@ -47,7 +47,7 @@ class DataKind:
 
     train: SetKind
     eval: SetKind | None
-    packed: bool  # --pack: the sets are blocks of documents (packing.Packed)
+    packed: bool  # --pack: the sets are blocks of documents (packing.Packed, or a packing.PackedStream)
 
     @property
     def streams(self) -> bool:

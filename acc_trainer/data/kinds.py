@@ -13,7 +13,7 @@ from dataclasses import replace
 from torch.utils.data import IterableDataset, TensorDataset
 
 from .datasets import Data, DataKind, InMemory, PerSample, SetKind
-from .packing import Packed
+from .packing import is_packed
 
 
 def set_kind(dataset, pipeline: str = "batched", collate=None) -> SetKind:
@@ -30,7 +30,7 @@ def settle(data: Data, pipeline: str = "batched", collate=None) -> Data:
     """`data` with its kind decided, for the run's --data-pipeline and collate function (None: the default collate)."""
     kind = DataKind(set_kind(data.train, pipeline, collate),
                     set_kind(data.eval, pipeline, collate) if data.eval is not None else None,
-                    isinstance(data.train, Packed))
+                    is_packed(data.train))
     return replace(data, kind=kind)
 
 

@@ -18,15 +18,18 @@ every rendering of it, as TRL passes them to `apply_chat_template`; text with to
 `train_on_prompt` labels every token. `max_length` cuts keep_start (what is cut is counted: the start line says it);
 `truncation="off"` refuses a longer sample instead. A sample left with no labelled token is dropped, as TRL does.
 
-The tokenized sets are map-style (`Tokenized`), built once where the run's data is built, before packing; unpacked
-samples of different lengths are batched by `pad_collate`, preference pairs by `preference_collate`.
+The tokenized sets are map-style (`Tokenized`, its tokens held flat), built once where the run's data is built, before
+packing, through token_cache.py (tokenized by several processes and kept on disk); unpacked samples of different
+lengths are batched by `pad_collate`, preference pairs by `preference_collate`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Dataset
 
-from ..config import ConfigError, TrainConfig, first_line
+from ..config import ConfigError, first_line
 from .datasets import IGNORE_INDEX
 from .kinds import is_stream
 
@@ -373,60 +376,133 @@ def _template_ids(tokenizer, messages: list, index: int | None = None, **kwargs)
 # --------------------------------------------------------------------------------------------------- the sets
 
 
+class Tokens:
+    """Samples' tokens kept flat (what `Tokenized` is built from, a tokenizing process hands back and the token cache
+    keeps): `ids`, each kept sample's tokens one after another (a pair's prompt, chosen and rejected ones); `lengths`,
+    theirs (three a pair); `mask`, 1 on the labelled tokens (SFT samples); each kept pair's `margins` where it
+    `has_margin`; `counts`: truncated, cut tokens, dropped, labelled."""
+
+    FIELDS = ("ids", "lengths", "mask", "margins", "has_margin")
+
+    def __init__(self, kind: str):
+        self.kind, self.counts = kind, [0, 0, 0, 0]
+        self.ids, self.lengths, self.mask = array("i"), array("q"), array("b")
+        self.margins, self.has_margin = array("d"), array("b")
+
+    def extend(self, other: Tokens) -> Tokens:
+        for name in self.FIELDS:
+            getattr(self, name).extend(getattr(other, name))
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        return self
+
+
+def tokenize_range(dataset, tokenizer, kind: str, cut: tuple = (False, None, "keep_start"), start: int = 0,
+                   stop: int | None = None) -> Tokens:
+    """Samples `start` to `stop` of a map-style set of one `kind`, tokenized (`cut`: train_on_prompt, max_length,
+    truncation), as `Tokens`; what a set's every tokenizing process runs, on its part of the set."""
+    train_on_prompt, max_length, truncation = cut
+    out = Tokens(kind)
+    for i in range(start, len(dataset) if stop is None else stop):
+        sample = dataset[i]
+        if sample_kind(sample, i) != kind:
+            raise ConfigError(f"sample {i} is {kind_name(sample_kind(sample, i))} data, and sample 0 is "
+                              f"{kind_name(kind)} data: a set holds one kind")
+        if kind == "preference":
+            _add_pair(out, tokenizer, sample, i, max_length, truncation)
+        elif kind == "prompt":
+            ids = tokenize_prompt(tokenizer, sample, max_length, i)
+            out.ids.extend(ids)
+            out.lengths.append(len(ids))
+        else:
+            _add_sample(out, tokenizer, sample, i, cut)
+    return out
+
+
+def _add_sample(out: Tokens, tokenizer, sample, i: int, cut: tuple) -> None:
+    train_on_prompt, max_length, truncation = cut
+    whole = tokenize_sample(tokenizer, sample, train_on_prompt, index=i)
+    kept = tokenize_sample(tokenizer, sample, train_on_prompt, max_length, truncation, i) \
+        if max_length is not None and len(whole["input_ids"]) > max_length else whole
+    cut_tokens = len(whole["input_ids"]) - len(kept["input_ids"])
+    out.counts[0] += bool(cut_tokens)
+    out.counts[1] += cut_tokens
+    labelled = sum(t != IGNORE_INDEX for t in kept["labels"][1:])  # the next-token targets the loss counts
+    if not labelled:
+        out.counts[2] += 1
+        return
+    out.counts[3] += labelled
+    out.ids.extend(kept["input_ids"])
+    out.mask.extend(t != IGNORE_INDEX for t in kept["labels"])  # a label is its token or -100
+    out.lengths.append(len(kept["input_ids"]))
+
+
+def _add_pair(out: Tokens, tokenizer, sample, i: int, max_length: int | None, truncation: str) -> None:
+    whole = tokenize_pair(tokenizer, sample, index=i)
+    kept = tokenize_pair(tokenizer, sample, max_length, truncation, i) if max_length is not None else whole
+    cut_tokens = sum(len(whole[k]) - len(kept[k]) for k in whole)
+    out.counts[0] += bool(cut_tokens)
+    out.counts[1] += cut_tokens
+    if not kept["chosen_ids"] or not kept["rejected_ids"]:
+        out.counts[2] += 1
+        return
+    out.counts[3] += len(kept["chosen_ids"]) + len(kept["rejected_ids"])
+    for key in PAIR_KEYS:
+        out.ids.extend(kept[key])
+        out.lengths.append(len(kept[key]))
+    out.has_margin.append("margin" in sample)  # reward models' margin column
+    out.margins.append(float(sample["margin"]) if "margin" in sample else 0.0)
+
+
+PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
 class Tokenized(Dataset):
     """A set of text samples tokenized once: SFT samples as `{"input_ids", "labels"}` LongTensors, preference pairs
-    as `tokenize_pair`'s lists. What was cut and dropped is counted (`truncated`, `cut_tokens`, `dropped`), and the
-    labelled tokens (`labelled`; a pair's: its completions')."""
+    as `tokenize_pair`'s lists, GRPO's prompts as `{"prompt_ids", "index", "row"}`. What was cut and dropped is
+    counted (`truncated`, `cut_tokens`, `dropped`), and the labelled tokens (`labelled`; a pair's: its
+    completions'). Tokenized here from `dataset`, or built from `tokens` (token_cache.py's: read from the cache or
+    tokenized by several processes); the tokens are held flat, each sample made when it is read."""
 
     def __init__(self, dataset, tokenizer, kind: str, train_on_prompt: bool = False, max_length: int | None = None,
-                 truncation: str = "keep_start"):
-        self.kind, self.samples = kind, []
-        self.truncated = self.cut_tokens = self.dropped = self.labelled = 0
-        for i in range(len(dataset)):
-            sample = dataset[i]
-            if sample_kind(sample, i) != kind:
-                raise ConfigError(f"sample {i} is {_kind_name(sample_kind(sample, i))} data, and sample 0 is "
-                                  f"{_kind_name(kind)} data: a set holds one kind")
-            if kind == "preference":
-                self._add_pair(tokenizer, sample, i, max_length, truncation)
-            elif kind == "prompt":  # its index in the set keys its completions' sampling (objectives/sampling.py)
-                ids = torch.tensor(tokenize_prompt(tokenizer, sample, max_length, i), dtype=torch.long)
-                self.samples.append({"prompt_ids": ids, "index": i, "row": dict(sample)})
-            else:
-                self._add_sample(tokenizer, sample, i, train_on_prompt, max_length, truncation)
-
-    def _add_sample(self, tokenizer, sample, i, train_on_prompt, max_length, truncation) -> None:
-        whole = tokenize_sample(tokenizer, sample, train_on_prompt, index=i)
-        out = tokenize_sample(tokenizer, sample, train_on_prompt, max_length, truncation, i) \
-            if max_length is not None and len(whole["input_ids"]) > max_length else whole
-        cut = len(whole["input_ids"]) - len(out["input_ids"])
-        self.truncated, self.cut_tokens = self.truncated + bool(cut), self.cut_tokens + cut
-        labelled = sum(t != IGNORE_INDEX for t in out["labels"][1:])  # the next-token targets the loss counts
-        if not labelled:
-            self.dropped += 1
-            return
-        self.labelled += labelled
-        self.samples.append({k: torch.tensor(v, dtype=torch.long) for k, v in out.items()})
-
-    def _add_pair(self, tokenizer, sample, i, max_length, truncation) -> None:
-        whole = tokenize_pair(tokenizer, sample, index=i)
-        out = tokenize_pair(tokenizer, sample, max_length, truncation, i) if max_length is not None else whole
-        cut = sum(len(whole[k]) - len(out[k]) for k in whole)
-        self.truncated, self.cut_tokens = self.truncated + bool(cut), self.cut_tokens + cut
-        if not out["chosen_ids"] or not out["rejected_ids"]:
-            self.dropped += 1
-            return
-        self.labelled += len(out["chosen_ids"]) + len(out["rejected_ids"])
-        self.samples.append({**out, "margin": float(sample["margin"])} if "margin" in sample else out)  # reward models
+                 truncation: str = "keep_start", tokens: Tokens | None = None):
+        if tokens is None:
+            tokens = tokenize_range(dataset, tokenizer, kind, (train_on_prompt, max_length, truncation))
+        self.kind, self.rows = kind, dataset if kind == "prompt" else None  # a prompt's row, for reward functions
+        self.truncated, self.cut_tokens, self.dropped, self.labelled = tokens.counts
+        self.ids = flat_tensor(tokens.ids, torch.int32)
+        self.mask = flat_tensor(tokens.mask, torch.int8).bool()
+        self.starts = [0, *itertools.accumulate(tokens.lengths)]
+        self.margins = [m if has else None for m, has in zip(tokens.margins, tokens.has_margin)]
+        self.fields = len(PAIR_KEYS) if kind == "preference" else 1
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return (len(self.starts) - 1) // self.fields
 
     def __getitem__(self, index: int):
-        return self.samples[index]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} of a set of {len(self)}")
+        index %= len(self)
+        first = index * self.fields
+        spans = [(self.starts[first + k], self.starts[first + k + 1]) for k in range(self.fields)]
+        if self.kind == "preference":
+            pair = {key: self.ids[a:b].tolist() for key, (a, b) in zip(PAIR_KEYS, spans)}
+            return pair if self.margins[index] is None else {**pair, "margin": self.margins[index]}
+        (a, b), = spans
+        ids = self.ids[a:b].long()
+        if self.kind == "prompt":  # its index in the set keys its completions' sampling (objectives/sampling.py)
+            return {"prompt_ids": ids, "index": index, "row": dict(self.rows[index])}
+        return {"input_ids": ids, "labels": ids.masked_fill(~self.mask[a:b], IGNORE_INDEX)}
+
+    @property
+    def samples(self) -> list:
+        return [self[i] for i in range(len(self))]
 
 
-def _kind_name(kind: str | None) -> str:
+def flat_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer(values, dtype=dtype).clone() if len(values) else torch.empty(0, dtype=dtype)
+
+
+def kind_name(kind: str | None) -> str:
     return {"messages": "chat", "prompt_completion": "prompt/completion"}.get(kind, kind or "token (not text)")
 
 
@@ -441,90 +517,6 @@ def set_kind_of(dataset) -> str | None:
     """The kind of a map-style set's text samples (its first sample's), or None: not text, a stream, or empty."""
     first = first_sample(dataset)
     return None if first is None else sample_kind(first, 0)
-
-
-class TextSets:
-    """Where a run's data is built, before packing: `(train, eval) -> (train, eval)`, their text samples tokenized
-    with the run's tokenizer and options (sets that are not text pass as they are). Afterwards `kind` is the text
-    kind (None: the data was not text), `collate` the padding collate of unpacked SFT data, `note` what the start
-    line says."""
-
-    def __init__(self, tokenizer, cfg: TrainConfig):
-        self.tokenizer, self.cfg = tokenizer, cfg
-        self.kind: str | None = None
-        self.note: str | None = None
-        self.sets: list[Tokenized] = []
-
-    def __call__(self, train, eval_, name: str):
-        kind = set_kind_of(train)
-        if kind is None:  # not text; tokens kept beside the text they came from train without it
-            return _tokens_only(train), _tokens_only(eval_)
-        cfg, self.kind = self.cfg, kind
-        self.sets = [Tokenized(s, self.tokenizer, kind, cfg.train_on_prompt, cfg.max_length, cfg.truncation)
-                     for s in (train, eval_) if s is not None]
-        if not len(self.sets[0]) and kind != "prompt":
-            raise ConfigError(f"the training set of {name} has no sample left with a token to learn (each was cut "
-                              f"to --max-length {cfg.max_length} before its completion)")
-        self.note = self._note(name)
-        return self.sets[0], self.sets[1] if len(self.sets) > 1 else None
-
-    def collate(self) -> Callable | None:
-        """The padding collate for unpacked SFT text data (None: not text data, or packed, or preference pairs)."""
-        if self.kind in (None, "preference", "prompt") or self.cfg.pack is not None:
-            return None
-        return pad_collate(pad_id(self.tokenizer))
-
-    def _note(self, name: str) -> str:
-        train = self.sets[0]
-        if self.kind == "prompt":
-            return f"{name}: {len(self.sets[0])} prompts tokenized, to generate from"
-        what = {"messages": "the assistant's tokens", "prompt_completion": "the completions' tokens",
-                "text": "every token", "preference": "chosen and rejected completions"}[self.kind]
-        if self.cfg.train_on_prompt and self.kind != "preference":
-            what = "every token (--train-on-prompt)"
-        note = (f"{name}: {len(train)} {_kind_name(self.kind)} samples tokenized, the loss on {what} "
-                f"({train.labelled:,} labelled tokens)")
-        truncated = sum(s.truncated for s in self.sets)
-        if truncated:
-            note += (f"; {truncated} cut to --max-length {self.cfg.max_length} "
-                     f"({sum(s.cut_tokens for s in self.sets):,} tokens cut)")
-        dropped = sum(s.dropped for s in self.sets)
-        if dropped:
-            note += f"; {dropped} dropped, with no token to learn left"
-        return note
-
-
-TEXT_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected", "text", "tools")
-
-
-class _TokensOnly(Dataset):
-    """A tokenized set whose samples keep the text they came from (`{"input_ids", "labels", "messages"}`, what a
-    `datasets` map leaves): the samples without the text fields, which no collate could batch."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int):
-        return {k: v for k, v in self.dataset[index].items() if k not in TEXT_FIELDS}
-
-
-def _tokens_only(dataset):
-    first = first_sample(dataset)
-    if isinstance(first, Mapping) and "input_ids" in first and any(k in first for k in TEXT_FIELDS):
-        return _TokensOnly(dataset)
-    return dataset
-
-
-def text_sets(cfg: TrainConfig, tokenizer=None) -> TextSets:
-    """How the run's text becomes tokens: with `tokenizer` (fit's object, or the one --tokenizer names, loaded by
-    workload/components.py before the data is built), its chat template replaced by --chat-template's."""
-    if cfg.chat_template is not None and tokenizer is None:
-        raise ConfigError("--chat-template applies with --tokenizer (or fit(tokenizer=...)): the template is the "
-                          "tokenizer's")
-    return TextSets(load_chat_template(tokenizer, cfg.chat_template), cfg)
 
 
 def pad_id(tokenizer) -> int:

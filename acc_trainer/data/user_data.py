@@ -5,6 +5,7 @@ and the number of classes read off the samples, the class labels checked where t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -12,26 +13,37 @@ from ..config import ConfigError, first_line
 from . import streams
 from .datasets import Data, Heads, RawImages
 from .kinds import is_stream
+from .text_streams import JsonLines, json_line
 
 
 def read_files(path: str, args: dict) -> tuple:
     """`--dataset PATH`: (train, eval) from files of samples. A .jsonl/.json file is read as it is, one sample a
     line (or a JSON list); a .parquet file, a folder of such files and a folder written by `save_to_disk` through
     Hugging Face `datasets` (a folder's `train` split, and its `validation` or `test` split for evaluation).
-    `--dataset-args '{eval: PATH}'` names the evaluation set's files."""
-    unknown = sorted(set(args) - {"eval"})
+    `--dataset-args '{eval: PATH}'` names the evaluation set's files; `{stream: true}` reads .jsonl files as streams
+    (text_streams.JsonLines: nothing held, tokenized as they are read)."""
+    unknown = sorted(set(args) - {"eval", "stream"})
     if unknown:
-        raise ConfigError(f"--dataset {path}: --dataset-args takes eval (the evaluation set's files) for files of "
-                          f"samples, not {unknown[0]!r}")
+        raise ConfigError(f"--dataset {path}: --dataset-args takes eval (the evaluation set's files) and stream (true: "
+                          f"read a .jsonl file as a stream) for files of samples, not {unknown[0]!r}")
+    if args.get("stream"):
+        return _stream(path), _stream(str(args["eval"])) if args.get("eval") is not None else None
     train, eval_ = _read_files(path)
     if args.get("eval") is not None:
         eval_ = _read_files(str(args["eval"]))[0]
     return train, eval_
 
 
+def _stream(path: str) -> JsonLines:
+    if not Path(path).is_file() or Path(path).suffix != ".jsonl":
+        raise ConfigError(f"--dataset {path}: --dataset-args stream: true reads a .jsonl file (one sample a line) as a "
+                          "stream; parquet or JSON shards stream through Hugging Face datasets (load_dataset(..., "
+                          "streaming=True) in a dataset factory: docs/large-data.md)")
+    return JsonLines(path)
+
+
 def _read_files(path: str) -> tuple:
     import json
-    from pathlib import Path
 
     file = Path(path)
     if not file.exists():
@@ -44,7 +56,7 @@ def _read_files(path: str) -> tuple:
             if file.suffix == ".json" and "\n" in text.strip() and _one_object(text):
                 raise ConfigError(f"--dataset {path} holds one JSON object: a .json dataset is a list of samples, or "
                                   "one sample a line (JSON Lines)")
-            return [_json_line(line, n, path) for n, line in enumerate(text.splitlines(), 1) if line.strip()], None
+            return [json_line(line, n, path) for n, line in enumerate(text.splitlines(), 1) if line.strip()], None
         import datasets
 
         if file.is_dir() and any((file / n).is_file() for n in ("dataset_dict.json", "state.json")):
@@ -71,15 +83,6 @@ def _one_object(text: str) -> bool:
         return isinstance(json.loads(text), Mapping)
     except ValueError:
         return False
-
-
-def _json_line(line: str, number: int, path: str):
-    import json
-
-    try:
-        return json.loads(line)
-    except ValueError as e:
-        raise ConfigError(f"--dataset {path}: line {number} is not JSON ({first_line(e)})") from None
 
 
 def data_from(train, eval_, name: str) -> Data:

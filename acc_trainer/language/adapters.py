@@ -22,6 +22,7 @@ import math
 import re
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from ..distributed import engines
 from ..distributed.engines.ddp import without_frozen
 from ..distributed.engines.fsdp2 import found_again  # noqa: F401 - its old place (a test imports it here)
 from ..workload import quantized
+from ..workload.models import initial_weights, sync_batchnorm
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # peft's task types by the transformers class's name: a sequence classifier's new head then trains beside the adapters.
@@ -252,6 +254,83 @@ def load_adapter(base, folder: Path):
             return PeftModel.from_pretrained(base, str(folder))
     except Exception as e:  # noqa: BLE001 - an adapter that does not fit the model given is the user's input
         raise ConfigError(f"the adapter in {folder} does not load into {type(base).__name__}: {first_line(e)}") from None
+
+
+@dataclass
+class Tuning:
+    """The model as it trains: --init-from's report, --freeze's parameters and norm layers (`starting_weights`, `freeze`),
+    and what the start line says of them."""
+
+    init: dict | None = None
+    frozen: list = field(default_factory=list)  # parameters frozen until --unfreeze-at (or for good)
+    frozen_names: set = field(default_factory=set)  # their names, which `prepare` keeps (the engine's `after_prepare`)
+    frozen_norms: list = field(default_factory=list)  # BatchNorm layers whose parameters are all frozen
+    notes: list[str] = field(default_factory=list)
+    shapes: dict = field(default_factory=dict)  # the parameters' shapes as the user built them (with the adapters)
+    flops: float = 0  # per training sample, counted by the main process
+    digest: dict | None = None  # the frozen weights' digest, when checkpoints hold only what trains
+
+
+def starting_weights(cfg: TrainConfig, model, resumed: dict | None, engine: engines.Engine, job) -> tuple:
+    """(the model, its Tuning): --init-from's weights (not when resuming from a checkpoint that holds them all),
+    then --lora's adapters around them (adapters.py)."""
+    out = Tuning()
+    model = base_in_4bit(cfg, model, job, engine, out)  # a 4-bit base holds --init-from's weights already
+    if out.init is None and cfg.init_from and (not resumed or resumed.get("frozen")):
+        report = initial_weights(model, cfg.init_from, cfg.init_strict)
+        out.init = report
+        out.notes.append(f"init from {cfg.init_from}: {report['loaded']} tensors loaded" + "".join(
+            f", {len(report[k])} {k} ({', '.join(report[k][:3])}{', ...' if len(report[k]) > 3 else ''})"
+            for k in ("reset", "missing", "unexpected") if report[k]))
+    if cfg.lora:
+        check_merge_sharded(cfg, model, engine)
+        model = apply_lora(cfg, model)
+        counts = parameter_counts(model)
+        out.notes.append(f"LoRA rank {cfg.lora} on {cfg.lora_targets and ','.join(cfg.lora_targets) or 'every linear layer'}"
+                         f": {counts['trainable']:,} of {counts['total']:,} parameters train "
+                         f"({100 * counts['trainable'] / counts['total']:.2f}%)")
+    return model, out
+
+
+def as_it_trains(cfg: TrainConfig, model, out: Tuning, device_type: str):
+    """The model once its starting weights are in, as it will train: BatchNorm made collective (--sync-bn), channels
+    last, --freeze (after the conversions: the frozen norm layers are the ones that train), gradient checkpointing
+    (through the adapters, onto the base's blocks)."""
+    if cfg.sync_bn:
+        model = sync_batchnorm(model, device_type)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    freeze(cfg, model, out)
+    if cfg.gradient_checkpointing:
+        gradient_checkpointing(model)
+    return model
+
+
+def frozen_checked(model, resume, resumed: dict | None) -> dict | None:
+    """The digest of the frozen weights (checkpoints keep the trainable ones), checked against a resumed run's."""
+    frozen = frozen_digest(model)
+    if resumed and resumed.get("frozen"):
+        check_frozen(resume, resumed["frozen"], model)
+    return frozen
+
+
+def gradient_checkpointing(model) -> None:
+    """--gradient-checkpointing through a transformers model's own switch, non-reentrant: the reentrant form
+    recomputes under DDP's hooks a second time and needs inputs that require gradients (frozen embeddings,
+    LoRA). A module of one's own has no switch: it calls torch.utils.checkpoint in its forward."""
+    # transformers 5 renamed the switch (the old name warns); earlier versions have only the old one.
+    if hasattr(model, "activation_checkpointing_enable"):
+        enable = lambda: model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        enable = lambda: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} has no gradient_checkpointing_enable "
+                          "(transformers models have); in a module of your own, call torch.utils.checkpoint."
+                          "checkpoint(block, x, use_reentrant=False) in its forward instead")
+    try:
+        enable()
+    except ValueError as e:  # a transformers model that does not support it says so
+        raise ConfigError(f"--gradient-checkpointing: {first_line(e)}") from None
 
 
 def freeze(cfg: TrainConfig, model, out) -> None:

@@ -18,7 +18,6 @@ import copy
 import sys
 from pathlib import Path
 
-from ..config import ConfigError, first_line
 from ..distributed import engines
 from .adapters import is_peft, save_adapter
 
@@ -81,20 +80,3 @@ def tokenizer_files(tokenizer, folder: Path) -> list[str]:
     return sorted(Path(p).name for p in tokenizer.save_pretrained(str(folder)) if Path(p).is_file())
 
 
-def gradient_checkpointing(model) -> None:
-    """--gradient-checkpointing through a transformers model's own switch, non-reentrant: the reentrant form
-    recomputes under DDP's hooks a second time and needs inputs that require gradients (frozen embeddings,
-    LoRA). A module of one's own has no switch: it calls torch.utils.checkpoint in its forward."""
-    # transformers 5 renamed the switch (the old name warns); earlier versions have only the old one.
-    if hasattr(model, "activation_checkpointing_enable"):
-        enable = lambda: model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        enable = lambda: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} has no gradient_checkpointing_enable "
-                          "(transformers models have); in a module of your own, call torch.utils.checkpoint."
-                          "checkpoint(block, x, use_reentrant=False) in its forward instead")
-    try:
-        enable()
-    except ValueError as e:  # a transformers model that does not support it says so
-        raise ConfigError(f"--gradient-checkpointing: {first_line(e)}") from None

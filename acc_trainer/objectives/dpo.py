@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, TrainConfig
+from ..data.mixtures import Mixture
 from ..data.text import Tokenized, pad_id, preference_collate
+from ..data.text_streams import TokenizedStream
 from ..workload.components import Workload
 from ..workload.losses import Loss, chunked, no_cache
 
@@ -208,7 +210,9 @@ def objective(cfg: TrainConfig, job: Workload) -> None:
         raise ConfigError("--train-on-prompt applies to supervised fine-tuning: DPO compares the completions' "
                           "log-probabilities, never the prompt's")
     own_forward_and_loss(cfg, job)
-    sft_text = isinstance(job.data.train, Tokenized) and job.data.train.kind != "preference"  # padded by data/text.py
+    # tokenized SFT text (or a mixture of it), padded by data/text.py
+    sft_text = isinstance(job.data.train, (Tokenized, TokenizedStream, Mixture)) and \
+        job.data.train.kind not in (None, "preference")
     if job.collate is None or sft_text:
         if not pairs:
             raise ConfigError(f"--objective dpo trains on preference pairs (prompt, chosen and rejected, as text or chat "
@@ -282,7 +286,8 @@ def holds_pairs(job: Workload, look: bool) -> bool:
     `look`) a map-style set whose first sample is one. Other sets are not read here (a sample that cannot be read is
     --skip-bad-samples' to handle, in the loop)."""
     train = job.data.train
-    if isinstance(train, Tokenized):
+    if isinstance(train, (Tokenized, TokenizedStream, Mixture)) and train.kind is not None:  # tokenized text (a set, a
+        # stream), or a mixture of it
         return train.kind == "preference"
     if not look or job.data.kind.train.stream or train is None or not len(train):
         return False

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError, TrainConfig
+from ..data.mixtures import Mixture
 from ..data.text import Tokenized, pad_id, preference_collate
+from ..data.text_streams import TokenizedStream
 from ..distributed import engines
 from ..workload.components import Workload
 from ..workload.losses import Loss
@@ -147,7 +149,8 @@ class RewardModel:
                               "sequences")
         own_forward_and_loss(cfg, job)
         pairs = holds_pairs(job, look=True)
-        sft_text = isinstance(job.data.train, Tokenized) and job.data.train.kind != "preference"
+        sft_text = isinstance(job.data.train, (Tokenized, TokenizedStream, Mixture)) and \
+            job.data.train.kind not in (None, "preference")
         if (job.collate is None or sft_text) and not pairs:
             raise ConfigError(f"--objective reward trains on preference pairs (prompt, chosen and rejected, as text or "
                               f"chat messages), and {job.dataset_name}'s samples are not such pairs")

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from ..config import ConfigError, TrainConfig, first_line
 from ..distributed import engines
 from ..distributed.processes import main_decides
+from ..workload.models import initial_weights  # noqa: F401 - --init-from's weights (evaluate/predict read them here)
 
 STATE_FILE = "trainer_state.json"
 SUMS = "SHA256SUMS"
@@ -434,60 +434,3 @@ def _rng_not_restored(path: Path, rank: int) -> str | None:
 
 # ----------------------------------------------------------------------------------------- --init-from
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile's wrappers
-
-
-def initial_weights(model, path: str, strict: bool = False) -> dict:
-    """--init-from: loads what fits of `path` into `model` (every process reads the file, as it reads the
-    data, so that all start from the same weights). Names are matched after removing wrapper prefixes;
-    a tensor whose shape differs (a classifier head for another number of classes) keeps its fresh
-    initialisation. Returns what happened, by name: loaded (a count), reset, missing, unexpected."""
-    state = _weights_file(Path(path))
-    clean = {}
-    for name, tensor in state.items():
-        while name.startswith(WRAPPER_PREFIXES):
-            name = name.split(".", 1)[1]
-        clean[name] = tensor
-    own = model.state_dict()
-    matched = {k: v for k, v in clean.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
-    loaded = {own[k].data_ptr() for k in matched}  # a tied weight, held once in the file, is loaded under either name
-    report = {"from": str(path), "loaded": len(matched),
-              "reset": sorted(k for k in clean if k in own and k not in matched),
-              "missing": sorted(k for k in own if k not in clean and own[k].data_ptr() not in loaded),
-              "unexpected": sorted(k for k in clean if k not in own)}
-    if strict and (report["reset"] or report["missing"] or report["unexpected"]):
-        first = next(f"{kind} {names[0]}" for kind, names in (("reset", report["reset"]), ("missing", report["missing"]),
-                                                               ("unexpected", report["unexpected"])) if names)
-        raise ConfigError(f"--init-from {path} does not match the model exactly (--init-strict): {len(report['reset'])} "
-                          f"of another shape, {len(report['missing'])} missing, {len(report['unexpected'])} unexpected; "
-                          f"first: {first}")
-    if not matched:
-        raise ConfigError(f"--init-from {path}: none of its {len(clean)} tensors fits the model (names such as "
-                          f"{next(iter(clean), '-')!r} against {next(iter(own), '-')!r})")
-    model.load_state_dict(matched, strict=False)
-    return report
-
-
-def _weights_file(path: Path) -> dict:
-    """The tensors of a weights file, or of a run folder's / checkpoint's model.safetensors."""
-    if path.is_dir():
-        inner = path / "model.safetensors"
-        if not inner.is_file():
-            raise ConfigError(f"--init-from {path}: the folder holds no model.safetensors (give a run folder, a "
-                              "checkpoint of acc_trainer, or a weights file)")
-        path = inner
-    if not path.is_file():
-        raise ConfigError(f"--init-from {path} does not exist")
-    try:
-        if path.suffix == ".safetensors":
-            state = load_file(path)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a file that is not weights is the user's input
-        raise ConfigError(f"--init-from {path} is not a weights file: {type(e).__name__}: {first_line(e)}") from None
-    for key in ("state_dict", "model", "model_state_dict"):  # checkpoints of other trainers hold the weights inside
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"--init-from {path} holds {type(state).__name__}, not a dict of named tensors")
-    return state

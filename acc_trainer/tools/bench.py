@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import ConfigError, TrainConfig
+from ..data.mixtures import label
 from ..flags import Parser, add_training_options, config_from
 from ..outputs.progress import make_console
 
@@ -478,7 +479,7 @@ def main(argv: list[str]) -> None:
     # Enough epochs for --steps; a small evaluation set (evaluation is not measured anyway).
     cfg.epochs = math.ceil(args.steps / per_epoch)
     cfg.eval_size = min(cfg.eval_size, cfg.batch_size)
-    folder = Path(args.bench_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model}-{cfg.dataset}")
+    folder = Path(args.bench_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}-{cfg.model}-{label(cfg.dataset)}")
     folder.mkdir(parents=True, exist_ok=True)
     streamed = write_stream(cfg, folder / "parquet") if "stream" in args.pipelines else None  # the same samples
     console.print(f"[bold]acc-trainer bench[/] {cfg.model} on {cfg.dataset}, global batch {cfg.batch_size}, "

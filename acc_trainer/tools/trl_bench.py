@@ -141,6 +141,8 @@ def samples(cfg: TrainConfig) -> list:
     from ..data.user_data import read_files
     from ..workload.components import call_factory, import_object
 
+    if not isinstance(cfg.dataset, str):
+        raise ConfigError("bench-lm hands TRL's trainer one dataset's samples; a mixture of several is acc_trainer's only")
     if cfg.dataset in DATASETS:
         return []
     args = dict(cfg.dataset_args or {})

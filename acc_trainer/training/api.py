@@ -18,6 +18,7 @@ from accelerate.utils import set_seed
 
 from .. import objectives
 from ..config import ConfigError, TrainConfig, did_you_mean, make_config
+from ..data import mixtures
 from ..distributed import processes
 from ..outputs.runfiles import refuse_a_run_in, refuse_a_used_folder
 from ..workload import components
@@ -114,13 +115,13 @@ def find_lr(model, train_data, eval_data=None, *, min_lr: float = 1e-7, max_lr: 
     options = {k: v for k, v in fit_args.items() if k in TrainConfig.__dataclass_fields__ and k != "lr"}
     cfg = fit_config(model, train_data, config, options)
     processes.start(cfg)  # the process group: the main process names the folder for all
-    folder = lr_range.folder_for(output_dir, cfg.model, cfg.dataset)
+    folder = lr_range.folder_for(output_dir, cfg.model, mixtures.label(cfg.dataset))
     if callable(optimizer) and not isinstance(optimizer, (str, torch.optim.Optimizer)):
         optimizer = _starting_at(optimizer, min_lr)
     with lr_range.ending_where_not_finite(test):
         fit(copy.deepcopy(model), train_data, None, optimizer=optimizer, scheduler=schedule, config=config,
             **{**fit_args, **lr_range.run_options(test, folder)})
-    title = " on ".join(name.rpartition(":")[2] for name in (cfg.model, cfg.dataset))
+    title = " on ".join(name.rpartition(":")[2] for name in (cfg.model, mixtures.label(cfg.dataset)))
     return _concluded(test, folder, schedule, title)
 
 
@@ -132,7 +133,7 @@ def range_test(cfg: TrainConfig, min_lr: float = 1e-7, max_lr: float = 1.0, step
     with _random_state_kept():
         _fresh_accelerator_state()
         group = processes.start(cfg)
-        folder = lr_range.folder_for(cfg.output_dir, cfg.model, cfg.dataset)
+        folder = lr_range.folder_for(cfg.output_dir, cfg.model, mixtures.label(cfg.dataset))
         cfg = make_config({**cfg.to_dict(), **lr_range.run_options(test, folder), "scheduler": "constant"})
         set_seed(cfg.seed)
         job = components.build_workload(cfg)
@@ -140,7 +141,7 @@ def range_test(cfg: TrainConfig, min_lr: float = 1e-7, max_lr: float = 1.0, step
         job.scheduler = schedule
         with lr_range.ending_where_not_finite(test):
             run(cfg, job, group)
-    return _concluded(test, folder, schedule, f"{cfg.model} on {cfg.dataset}")
+    return _concluded(test, folder, schedule, f"{cfg.model} on {mixtures.label(cfg.dataset)}")
 
 
 def _found_lr(model, train_data, options: dict, **fit_args) -> float:
@@ -256,6 +257,8 @@ def fit_config(model, train_data, config: TrainConfig | None, options: dict, col
                           + did_you_mean(unknown[0], TrainConfig.__dataclass_fields__))
     values.update(options)
     values["model"], values["dataset"] = components.qualified_name(model), components.qualified_name(train_data)
+    if mixtures.is_mixture(train_data):  # [(dataset, weight), ...]: NAME=WEIGHT, as --dataset names a mixture's sets
+        values["dataset"] = [f"{components.qualified_name(d)}={float(w)!r}" for d, w in train_data]
     for name, fn in (("collate", collate_fn), ("forward", forward)):
         if fn is not None:
             values[name] = fn if isinstance(fn, str) else components.function_name(fn)

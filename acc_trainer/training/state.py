@@ -5,6 +5,9 @@ optimizer, scheduler, RNGs): the step, the evaluations so far, the best one, ste
 losses of the current log interval. The position in a map-style dataset is the step: every epoch has
 exactly `steps_per_epoch` steps, so nothing else is needed to continue where a run stopped; a stream's
 position (its epoch, the samples read in it, its own saved state) is kept besides (streams.py).
+
+Setup's stages of the run's state are here too: the optimizer, its schedule and the run's length (`schedule`,
+`Shape`), and the state a run starts with, new or loaded from a checkpoint through the engine's room (`started`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ from dataclasses import dataclass, field
 import torch
 from accelerate import Accelerator
 
+from ..config import ConfigError, TrainConfig
+from ..data.datasets import steps_per_epoch
+from ..distributed import engines
+from ..language import adapters
+from ..outputs import checkpoints
 from ..workload.measure import StepGaps
+from ..workload.optim import build_optimizer, build_scheduler, param_groups
 
 
 @dataclass
@@ -250,3 +259,74 @@ class Clock:
         """Time since `since` (an evaluation, say) is not training time."""
         self.interval_start += time.perf_counter() - since
         self.gaps.forget()
+
+
+@dataclass
+class Shape:
+    """How long the run is, in optimizer steps; a stream's is learnt in its first epoch (`learn`)."""
+
+    total_steps: int | None  # None: --epochs over a stream whose length is learnt in its first epoch
+    per_epoch: int | None  # None: not known yet (a stream)
+    epochs: int | None  # None: --max-steps over a stream of unknown length
+    checkpoint_steps: int | None  # --checkpoint-every N (steps), parsed once
+    start_step: int  # the checkpoint's step when resuming, else 0
+
+    def learn(self, steps: int) -> None:
+        self.per_epoch = steps
+        if self.total_steps is None:
+            self.total_steps = self.epochs * steps
+        self.epochs = self.epochs or math.ceil(self.total_steps / max(steps, 1))
+
+
+def schedule(cfg: TrainConfig, model, job, resumed: dict | None, engine: engines.Engine) -> tuple:
+    """The optimizer, the LR schedule over the run's optimizer steps (--max-steps wins over --epochs) and the
+    run's shape. A stream that does not say its length has it learnt in its first epoch (kept in
+    checkpoints): until then the run's length is unknown, which a schedule over the run's length cannot
+    start without (`step` counts epochs: it needs the epoch's length)."""
+    per_epoch = steps_per_epoch(job.data, cfg)  # a step per loader batch, or --num-iterations (GRPO)
+    per_epoch = per_epoch * job.objective.iterations if per_epoch else ((resumed or {}).get("stream") or {}).get("epoch_steps")
+    total_steps = cfg.max_steps or (cfg.epochs * per_epoch if per_epoch else None)
+    if total_steps is None and (job.scheduler or cfg.scheduler not in ("constant",)):
+        raise ConfigError(f"--scheduler {cfg.scheduler if not job.scheduler else 'factory'} needs the run's length, and the "
+                          f"stream of {job.dataset_name} does not say how many samples it has (no __len__): give "
+                          "--max-steps, or --scheduler constant")
+    if per_epoch is None and cfg.scheduler == "step" and not job.scheduler:
+        raise ConfigError(f"--scheduler step decays every --lr-step-epochs epochs, and the stream of {job.dataset_name} "
+                          "does not say how many samples it has (no __len__), so its epochs' length is not known in "
+                          "advance: use --scheduler cosine or onecycle with --max-steps, or give the stream a __len__")
+    lr = cfg.lr * cfg.batch_size / cfg.lr_reference_batch if cfg.scale_lr else cfg.lr
+    optimizer = build_optimizer(cfg, param_groups(cfg, model, lr), lr, job.optimizer,
+                                fused=cfg.fused_optimizer and not engine.shards)
+    scheduler = build_scheduler(cfg, optimizer, lr, total_steps, per_epoch, job.scheduler)
+    epochs = math.ceil(total_steps / per_epoch) if per_epoch else None if cfg.max_steps else cfg.epochs
+    return optimizer, scheduler, Shape(total_steps, per_epoch, epochs, cfg.checkpoint_steps, 0)
+
+
+def started(cfg: TrainConfig, accelerator: Accelerator, job, origin, trained, items: bool, shape: Shape,
+            engine: engines.Engine) -> RunState:
+    """The run's progress: new, or the checkpoint's (its weights, optimizer, scheduler, random states and state
+    loaded into the prepared objects; from another engine's checkpoint through its room, distributed/engines/)."""
+    state = RunState(IntervalLosses(cfg.grad_accum, accelerator.device, items))
+    if job.data.kind.train.stream:
+        state.stream = stream_position(0, 0, shape.per_epoch)
+    if origin.resumed:
+        partial = bool(origin.resumed.get("frozen"))  # the frozen weights are not in it: built again above
+        saved_world, saved = origin.resumed["world_size"], engines.of(origin.resumed["engine"])
+        if partial:
+            engine.check_holds_trainable(origin.resume, accelerator.unwrap_model(trained.model, keep_torch_compile=False),
+                                         adapters.check_holds_trainable)
+        with checkpoints.reading(origin.resume):
+            if saved.name != engine.name:
+                engine.move_in(accelerator, trained.model, trained.optimizer, trained.scheduler, origin.resume, saved, partial)
+                checkpoints.restore_random_states(origin.resume, min(accelerator.process_index, saved_world - 1))
+            else:
+                engine.load_checkpoint(accelerator, origin.resume, partial)
+        checkpoints.check_random_states(accelerator, origin.resume, saved_world)
+        state.load(origin.resumed, accelerator.process_index, accelerator.num_processes)
+    return state
+
+
+def stream_position(epoch: int, start: int, epoch_steps: int | None) -> dict:
+    """A stream's position at the start of `epoch` (which begins after optimizer step `start`), as checkpoints
+    keep it; the loader moves `samples` and `state` on as it hands out each step (streams.StreamLoader.epoch)."""
+    return {"epoch": epoch, "start": start, "samples": 0, "state": None, "epoch_steps": epoch_steps}

@@ -23,17 +23,17 @@ import inspect
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from torch import nn
 
-from ..config import IMPORT_PATH, ConfigError, TrainConfig, first_line, is_data_path
-from ..data import packing
-from ..data.datasets import DATASETS, Data, check_data, torchvision
+from ..config import IMPORT_PATH, ConfigError, TrainConfig, dataset_sets, first_line, is_data_path
+from ..data import mixtures, packing
+from ..data.datasets import DATASETS, Data, check_data, one_at_a_time, torchvision
 from ..data.kinds import settle
-from ..data.text import TextSets, text_sets
+from ..data.token_cache import TextSets, text_sets
 from ..data.user_data import data_from, read_files
 from . import losses, quantized
 from . import metrics as builtin_metrics
@@ -114,8 +114,9 @@ def call_factory(factory: Callable, args: dict, known: dict, what: str) -> Any:
 
 def build_workload(cfg: TrainConfig, trains: bool = True) -> Workload:
     """Everything `cfg` names, built in this process (every process calls this after seeding). Text samples become
-    tokens with the run's tokenizer (data/text.py's `TextSets`, --tokenizer's) before they are packed, unless a collate
-    function of the user's takes the samples as they are. `trains`: False for evaluate and predict, which only read
+    tokens with the run's tokenizer (data/token_cache.py's `TextSets`, --tokenizer's) before they are packed, unless a
+    collate function of the user's takes the samples as they are (the main process tokenizes first and keeps the
+    tokens in the token cache, which the others then read). `trains`: False for evaluate and predict, which only read
     a set."""
     from accelerate import PartialState
 
@@ -136,8 +137,8 @@ def build_workload(cfg: TrainConfig, trains: bool = True) -> Workload:
     loss = build_loss(cfg.loss) if cfg.loss else None
     metrics = build_metrics(cfg.metrics) if cfg.metrics is not None else None
     collate, forward = build_batching(cfg.collate, cfg.forward)
-    return Workload(model, data, loss, metrics, cfg.model, cfg.dataset, cfg.loss, _text_collate(collate, text), forward,
-                    tokenizer=getattr(text, "tokenizer", None), init=init)
+    return Workload(model, data, loss, metrics, cfg.model, mixtures.label(cfg.dataset), cfg.loss,
+                    _text_collate(collate, text), forward, tokenizer=getattr(text, "tokenizer", None), init=init)
 
 
 def _text_collate(collate: Callable | None, text: TextSets) -> Callable | None:
@@ -170,7 +171,13 @@ def build_data(cfg: TrainConfig, trains: bool = True, text: TextSets | None = No
     text = text if text is not None else text_of(cfg)
     spec, args = cfg.dataset, cfg.dataset_args or {}
     known = {"config": cfg, "seed": cfg.seed}
-    if spec in DATASETS:
+    if isinstance(spec, list):  # a mixture: each set built and tokenized as it would be alone, then mixed
+        parts = [mixtures.Part(name, *_set_of(cfg, name, args), weight) for name, weight in dataset_sets(spec)]
+        spec = mixtures.label(spec)
+        train, eval_, notes = _mixed(parts, cfg.seed, text, cfg.collate is None)
+        data = data_from(*packing.pack_sets(train, eval_, cfg.pack, spec), spec)
+        data.notes += notes
+    elif spec in DATASETS:
         data = call_factory(DATASETS[spec], args, known, f"dataset {spec}")
     else:
         made = read_files(spec, args) if is_data_path(spec) else call_factory(
@@ -183,13 +190,44 @@ def build_data(cfg: TrainConfig, trains: bool = True, text: TextSets | None = No
         else:
             raise ConfigError(f"dataset factory {spec} returned {type(made).__name__}; it must return a pair "
                               "(train_dataset, eval_dataset)")
-    if cfg.pack and not isinstance(data.train, packing.Packed):  # a built-in set: refused there, naming its samples
+    if cfg.pack and not packing.is_packed(data.train):  # a built-in set: refused there, naming its samples
         data = data_from(*packing.pack_sets(data.train, data.eval, cfg.pack, spec), spec)
-    if text.note:
-        data.notes.append(text.note)
+    data.notes += text.notes
     data = settle(data, cfg.data_pipeline, cfg.collate)
     check_data(data, cfg.batch_size if trains else None, spec)
     return data
+
+
+def _set_of(cfg: TrainConfig, name: str, args: dict) -> tuple:
+    """One set of a mixture as (train, eval): what `--dataset NAME` alone makes (a factory's `config` names it alone),
+    a built-in set's tensors served one sample at a time, prepared as its batches are."""
+    known = {"config": replace(cfg, dataset=name), "seed": cfg.seed}
+    if name in DATASETS:
+        made = call_factory(DATASETS[name], args, known, f"dataset {name}")
+    else:
+        made = read_files(name, args) if is_data_path(name) else call_factory(
+            import_object(name, "--dataset"), args, known, f"dataset factory {name}")
+    if isinstance(made, Data):
+        return one_at_a_time(made.train), one_at_a_time(made.eval)  # None stays None
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        raise ConfigError(f"dataset factory {name} returned {type(made).__name__}; it must return a pair "
+                          "(train_dataset, eval_dataset)")
+    return tuple(made)
+
+
+def _mixed(parts: list, seed: int, text: TextSets, tokenize: bool) -> tuple:
+    """A mixture's sets (mixtures.Part), each tokenized as it would be alone (`tokenize`: unless a collate function of
+    the user's takes the samples as they are), then mixed: (train, eval, the start line's notes: the mixture's shares,
+    then each set's tokens but the last set's, which `text.notes` still holds for the caller to add)."""
+    notes, names = [], mixtures.unique([p.name for p in parts])
+    for i, part in enumerate(parts):
+        parts[i] = part = part._replace(name=names[i])
+        if tokenize:
+            notes += text.notes if i else []
+            train, eval_ = text(part.train, part.eval, part.name)
+            parts[i] = part._replace(train=train, eval=eval_)
+    train, eval_, note = mixtures.mix(parts, seed)
+    return train, eval_, [note, *notes]
 
 
 def build_model(cfg: TrainConfig, data: Data) -> nn.Module:
@@ -376,10 +414,16 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate
         raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
     quantized.steady(model)  # a model its user loaded in 4 bits: its layers kept as loaded (no-op for any other)
     name = type(train_data).__name__ if train_data is not None else "fit()"
-    train, eval_ = text(train_data, eval_data, name) if collate is None and train_data is not None else \
-        (train_data, eval_data)
+    mixture, notes = mixtures.is_mixture(train_data), []
+    if mixture:  # [(dataset, weight), ...] (data/mixtures.py): fit's eval_data is the first set's evaluation split
+        parts = [mixtures.Part(type(d).__name__, d, None if i else eval_data, w) for i, (d, w) in enumerate(train_data)]
+        name = "+".join(p.name for p in parts)
+        train, eval_, notes = _mixed(parts, (cfg or TrainConfig()).seed, text, collate is None)
+    else:
+        train, eval_ = text(train_data, eval_data, name) if collate is None and train_data is not None else \
+            (train_data, eval_data)
     data = settle(data_from(*packing.pack_sets(train, eval_, pack, name), name), pipeline, collate)
-    data.notes += [text.note] if text.note else []
+    data.notes += notes + text.notes
     loss_name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
     if isinstance(loss, str):
         loss = build_loss(loss)
@@ -393,7 +437,8 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate
     elif metrics is not None:
         raise ConfigError(f"fit: metrics must be a dict of name -> metric or a list of names, not {type(metrics).__name__}")
     collate, forward = build_batching(collate, forward)
-    return Workload(model, data, loss, metrics, qualified_name(model), qualified_name(train_data), loss_name,
+    dataset_name = name if mixture else qualified_name(train_data)
+    return Workload(model, data, loss, metrics, qualified_name(model), dataset_name, loss_name,
                     _text_collate(collate, text), forward, objects=True, tokenizer=getattr(text, "tokenizer", None))
 
 

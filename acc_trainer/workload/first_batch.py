@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from ..config import ConfigError, first_line
 from ..data import streams
@@ -87,7 +87,7 @@ def check_fit(job: Workload, micro_batch: int = 2) -> Checked:
     metrics = {name: m.for_outputs(outputs, targets) if isinstance(m, type) else m for name, m in metrics.items()}
     _check_metrics(job, metrics, outputs, targets, eval_loss)
     if job.data.kind.packed:
-        check_attention(model, job.collate, job.forward, job.data.train, job.model_name)
+        check_attention(model, job.collate, job.forward, job.data.train, job.model_name, job.data.heads)
     # A classification run also keeps its confusion matrix and per-class table (plots/confusion.png, summary.json).
     tables = {"confusion": builtin_metrics.Confusion.for_outputs(outputs, targets)} if labels and targets.dim() == 1 \
         and _class_scores(outputs) else {}
@@ -254,14 +254,17 @@ def describe(obj: Any) -> str:
     return type(obj).__name__
 
 
-def check_attention(model, collate: Callable | None, forward: Callable | None, dataset, model_name: str) -> None:
+def check_attention(model, collate: Callable | None, forward: Callable | None, dataset, model_name: str,
+                    heads: Heads | None = None) -> None:
     """For a packed set, proves on the model itself, through the run's collate and forward functions, that a
     document's outputs do not depend on the document before it in its block (raises ConfigError, one line,
-    when they do, or when the model takes no position_ids); `dataset`: a packing.Packed set. Two forward passes in
-    evaluation mode, on the first tokens of the first block cut into two documents, the first of them changed
-    in the second pass: with attention within each document the second document's logits are the same to the
-    last bit (the other document's attention weights are exact zeros), else they move."""
-    tokens = dataset[0]["input_ids"][:min(dataset.length, 32)]
+    when they do, or when the model takes no position_ids); `dataset`: a packing.Packed set, or a PackedStream
+    (its first block read through `heads`, the run's first samples of its streams). Two forward passes in evaluation
+    mode, on the first tokens of the first block cut into two documents, the first of them changed in the second
+    pass: with attention within each document the second document's logits are the same to the last bit (the other
+    document's attention weights are exact zeros), else they move."""
+    block = streams.first(dataset, 1, heads=heads)[0] if isinstance(dataset, IterableDataset) else dataset[0]
+    tokens = block["input_ids"][:min(dataset.length, 32)]
     half = len(tokens) // 2
     first, second = tokens[:half], tokens[half:]
     other = next((c for c in (second[:half], first.flip(0), first.roll(1), torch.full_like(first, dataset.pad_id))

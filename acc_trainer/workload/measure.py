@@ -13,6 +13,9 @@ from collections.abc import Mapping
 import torch
 from accelerate.utils import send_to_device
 
+from .. import patches
+from .first_batch import first_samples
+
 
 def fingerprint(model: torch.nn.Module) -> torch.Tensor:
     """Sum and sum of squares of every parameter, in float64: equal models give equal fingerprints."""
@@ -242,3 +245,20 @@ def cpu_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
         if line.startswith(("flags", "Features")):
             flags.update(line.split(":", 1)[-1].split())
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) if flags else None
+
+
+def run_flops(job, model, accelerator) -> float:
+    """FLOPs per training sample, counted on one sample by the main process only (0 on the others)."""
+    if not accelerator.is_main_process:
+        return 0
+    return flops_per_sample(model, first_samples(job.data.train, job.data.kind.train, 1, job.collate, job.data.heads),
+                            job.forward)
+
+
+def device_notes(accelerator) -> list[str]:
+    """A patch left off on a version it was not tested on; bf16 emulated on a CPU without bf16 instructions."""
+    notes = patches.notes()
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16" and cpu_bf16_instructions() is False:
+        notes.append("note: this CPU has no bf16 instructions (AVX512-BF16, AMX or Arm's BF16): bf16 is emulated and "
+                     "runs several times slower than --mixed-precision no (docs/language-models.md#precision-on-a-cpu)")
+    return notes
