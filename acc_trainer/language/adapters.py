@@ -324,7 +324,8 @@ def gradient_checkpointing(model) -> None:
     elif hasattr(model, "gradient_checkpointing_enable"):
         enable = lambda: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} has no gradient_checkpointing_enable "
+        own = model.get_base_model() if is_peft(model) else model  # the user's model, not peft's wrapper
+        raise ConfigError(f"--gradient-checkpointing: {type(own).__name__} has no gradient_checkpointing_enable "
                           "(transformers models have); in a module of your own, call torch.utils.checkpoint."
                           "checkpoint(block, x, use_reentrant=False) in its forward instead")
     try:

@@ -305,7 +305,9 @@ def read_state(path: Path, cfg: TrainConfig, world: int, engine: str | engines.E
     ]
     if mismatches:
         raise ConfigError(f"checkpoint {path} is from a different run: {'; '.join(mismatches)}")
-    saved = engines.of(state.setdefault("engine", "DDP"))
+    if state.setdefault("engine", "DDP") not in engines.ENGINES:
+        raise ConfigError(f"checkpoint {path} is corrupt: it names no engine acc_trainer knows ({state['engine']!r})")
+    saved = engines.of(state["engine"])
     engines.of(engine).check_move(path, saved, state["world_size"], world)
     names = {p.name for p in path.iterdir()}
     required = ["scheduler.bin"] + [f"random_states_{i}.pkl" for i in range(min(world, state["world_size"]))]

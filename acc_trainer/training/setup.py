@@ -69,7 +69,7 @@ class Run:
     cfg: TrainConfig
     job: Workload
     accelerator: Accelerator
-    engine: str  # DDP, FSDP or DEEPSPEED
+    engine: engines.Engine  # its room: distributed/engines/ (DDP, FSDP2, DeepSpeed)
     trained: Trained
     scoring: Scoring
     loaders: Loaders
@@ -107,7 +107,8 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     processes.check_topology(cfg, group.state)
     origin = run_folder.origin(cfg, job, group)  # where the run writes, and the checkpoint it continues
     cfg, checked, said = scoring.first_samples(cfg, job, group, origin)  # the pieces, checked on a micro-batch
-    accelerator = _accelerator(cfg, job, group, origin, checked)
+    regional = cfg.compile and not group.engine.shards and bool(repeated_blocks(job.model))  # --compile by block
+    accelerator = _accelerator(cfg, job, group, origin, checked, regional)
     augment = scoring.checked_pieces(cfg, job, accelerator, group.engine, checked)
     # The model as it will train: its starting weights (a 4-bit base, --init-from), its adapters, measured as built and
     # made the same on every process, then --sync-bn, channels last, --freeze and gradient checkpointing.
@@ -116,9 +117,9 @@ def setup(cfg: TrainConfig, job: Workload, group: Group | None = None) -> Run:
     notes = processes.same_initial_weights(accelerator, model)  # before `prepare`, whose DDP would copy rank 0's silently
     model = adapters.as_it_trains(cfg, model, tuning, accelerator.device.type)
     notes += _reference(cfg, job, model, origin.resumed, accelerator)  # the objective's, of the starting weights
-    cfg, checked, said = scoring.sized(cfg, job, model, group, accelerator, checked, said)  # --micro-batch auto
     notes += scoring.notes(checked, model, group.state.num_processes, group.engine) + measure.device_notes(accelerator)
-    notes += said + tuning.notes + _compiled(cfg, job, model, group)
+    cfg, checked, said = scoring.sized(cfg, job, model, group, accelerator, checked, said)  # --micro-batch auto
+    notes += said + tuning.notes + ([f"--compile: {compile_blocks(model)} repeated blocks compiled in place"] if regional else [])
     tuning.digest = adapters.frozen_checked(model, origin.resume, origin.resumed)
     trained, loaders, shape = _prepared(cfg, job, model, tuning, accelerator, group, origin.resumed, augment)
     state = run_state.started(cfg, accelerator, job, origin, trained, checked.items, shape, group.engine)
@@ -140,21 +141,13 @@ def _per_step(cfg: TrainConfig, job: Workload) -> TrainConfig:
     return job.objective.per_step(cfg)
 
 
-def _accelerator(cfg: TrainConfig, job: Workload, group: Group, origin: run_folder.Origin, checked) -> Accelerator:
+def _accelerator(cfg: TrainConfig, job: Workload, group: Group, origin: run_folder.Origin, checked,
+                 regional: bool) -> Accelerator:
     """The run's Accelerator, once the first samples showed how DDP wraps the model: DDP fails at the second step when
     a parameter gets no gradient, unless it looks for such parameters after every backward pass (a cost), asked for
     only when the first samples leave some unused."""
     ddp = [DistributedDataParallelKwargs(find_unused_parameters=True)] if checked.unused and group.state.num_processes > 1 else []
-    return accelerator_for(cfg, group, origin.folder, ddp, not _regional(cfg, job, group), job.objective.reads_ahead)
-
-
-def _regional(cfg: TrainConfig, job: Workload, group: Group) -> bool:
-    """--compile by the model's repeated blocks, in place (DDP and one process), rather than the whole model."""
-    return cfg.compile and not group.engine.shards and bool(repeated_blocks(job.model))
-
-
-def _compiled(cfg: TrainConfig, job: Workload, model, group: Group) -> list[str]:
-    return [f"--compile: {compile_blocks(model)} repeated blocks compiled in place"] if _regional(cfg, job, group) else []
+    return accelerator_for(cfg, group, origin.folder, ddp, not regional, job.objective.reads_ahead)
 
 
 def _prepared(cfg: TrainConfig, job: Workload, model, tuning: adapters.Tuning, accelerator: Accelerator, group: Group,
@@ -169,7 +162,7 @@ def _prepared(cfg: TrainConfig, job: Workload, model, tuning: adapters.Tuning, a
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler,
         device_placement=group.engine.placement(placement(accelerator, train_loader, eval_loader)))
-    tuning.frozen = group.engine.after_prepare(accelerator, model, tuning.frozen, tuning.frozen_names, bool(tuning.digest))
+    tuning.frozen = group.engine.after_prepare(accelerator, model, tuning.frozen, tuning.frozen_names)
     ema, averaged = _ema(cfg, accelerator, model)
     trained = Trained(model, optimizer, scheduler, ema, averaged, tuning, input_dtype, tuning.flops, tuning.shapes,
                       adapters.parameter_counts(model, tuning.frozen if cfg.unfreeze_at else None), tuning.digest, cut)

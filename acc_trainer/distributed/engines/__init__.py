@@ -44,13 +44,13 @@ def requested() -> Engine:
 def gathered(model, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
     """Every process: the whole weights of a model whose engine splits them (FSDP2's shards, ZeRO-3's partitions) on
     the main process; None for a model each process holds whole. `trainable_only`: what trains, and the buffers."""
-    engine = next((engine() for engine in (DeepSpeed, FSDP2) if engine().holds_model(model)), None)
+    engine = next((engine for engine in (DeepSpeed(), FSDP2()) if engine.holds_model(model)), None)
     return engine.gather(model, trainable_only) if engine is not None else None
 
 
 def writer(path: Path) -> Engine:
     """The engine whose files the checkpoint at `path` holds."""
-    return next((engine() for engine in (DeepSpeed, FSDP2) if engine().holds(path)), DDP())
+    return next((engine for engine in (DeepSpeed(), FSDP2()) if engine.holds(path)), DDP())
 
 
 def whole_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -87,9 +87,8 @@ class Engine:
         """`prepare`'s device_placement list (None where the engine refuses one)."""
         return placement
 
-    def after_prepare(self, accelerator: Accelerator, model, frozen: list, frozen_names: set, trainable_only: bool) -> list:
-        """Once prepared: the frozen parameters (--freeze's, the same objects unless the engine replaced them), and
-        checkpoints set to hold only what trains (`trainable_only`)."""
+    def after_prepare(self, accelerator: Accelerator, model, frozen: list, frozen_names: set) -> list:
+        """Once prepared: the frozen parameters (--freeze's, the same objects unless the engine replaced them)."""
         return frozen
 
     # ---------------------------------------------------------------------------------------- checkpoints

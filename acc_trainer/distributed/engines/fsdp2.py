@@ -78,7 +78,7 @@ class FSDP2(Engine):
                        per_process_batch: int) -> tuple[torch.dtype | None, list[str]]:
         return None, _units(accelerator, model)
 
-    def after_prepare(self, accelerator: Accelerator, model, frozen: list, frozen_names: set, trainable_only: bool) -> list:
+    def after_prepare(self, accelerator: Accelerator, model, frozen: list, frozen_names: set) -> list:
         return found_again(model, frozen_names) if accelerator.is_fsdp2 else frozen
 
     def save_checkpoint(self, accelerator: Accelerator, folder: Path, trainable_only: bool) -> None:
