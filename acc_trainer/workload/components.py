@@ -177,19 +177,13 @@ def build_data(cfg: TrainConfig, trains: bool = True, text: TextSets | None = No
         train, eval_, notes = _mixed(parts, cfg.seed, text, cfg.collate is None)
         data = data_from(*packing.pack_sets(train, eval_, cfg.pack, spec), spec)
         data.notes += notes
-    elif spec in DATASETS:
-        data = call_factory(DATASETS[spec], args, known, f"dataset {spec}")
     else:
-        made = read_files(spec, args) if is_data_path(spec) else call_factory(
-            import_object(spec, "--dataset"), args, known, f"dataset factory {spec}")
+        made = _made(spec, args, known)
         if isinstance(made, Data):
             data = made
-        elif isinstance(made, (tuple, list)) and len(made) == 2:
-            train, eval_ = text(*made, spec) if cfg.collate is None else made
-            data = data_from(*packing.pack_sets(train, eval_, cfg.pack, spec), spec)
         else:
-            raise ConfigError(f"dataset factory {spec} returned {type(made).__name__}; it must return a pair "
-                              "(train_dataset, eval_dataset)")
+            train, eval_ = text(*_pair(made, spec), spec) if cfg.collate is None else _pair(made, spec)
+            data = data_from(*packing.pack_sets(train, eval_, cfg.pack, spec), spec)
     if cfg.pack and not packing.is_packed(data.train):  # a built-in set: refused there, naming its samples
         data = data_from(*packing.pack_sets(data.train, data.eval, cfg.pack, spec), spec)
     data.notes += text.notes
@@ -201,14 +195,23 @@ def build_data(cfg: TrainConfig, trains: bool = True, text: TextSets | None = No
 def _set_of(cfg: TrainConfig, name: str, args: dict) -> tuple:
     """One set of a mixture as (train, eval): what `--dataset NAME` alone makes (a factory's `config` names it alone),
     a built-in set's tensors served one sample at a time, prepared as its batches are."""
-    known = {"config": replace(cfg, dataset=name), "seed": cfg.seed}
-    if name in DATASETS:
-        made = call_factory(DATASETS[name], args, known, f"dataset {name}")
-    else:
-        made = read_files(name, args) if is_data_path(name) else call_factory(
-            import_object(name, "--dataset"), args, known, f"dataset factory {name}")
+    made = _made(name, args, {"config": replace(cfg, dataset=name), "seed": cfg.seed})
     if isinstance(made, Data):
         return one_at_a_time(made.train), one_at_a_time(made.eval)  # None stays None
+    return _pair(made, name)
+
+
+def _made(name: str, args: dict, known: dict):
+    """What --dataset NAME makes: a built-in set's Data, the (train, eval) of files of samples, or a factory's return."""
+    if name in DATASETS:
+        return call_factory(DATASETS[name], args, known, f"dataset {name}")
+    if is_data_path(name):
+        return read_files(name, args)
+    return call_factory(import_object(name, "--dataset"), args, known, f"dataset factory {name}")
+
+
+def _pair(made, name: str) -> tuple:
+    """A factory's (train_dataset, eval_dataset), or one line saying what it returned instead."""
     if not (isinstance(made, (tuple, list)) and len(made) == 2):
         raise ConfigError(f"dataset factory {name} returned {type(made).__name__}; it must return a pair "
                           "(train_dataset, eval_dataset)")
