@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from accelerate.utils import reduce
-from torch.distributed.fsdp import FSDPModule
+
+from ..distributed import engines
 
 
 @dataclass
@@ -130,7 +131,7 @@ def completion_mask(completions: torch.Tensor, eos: Sequence[int]) -> tuple[torc
 def lockstep(model) -> Callable[[bool], bool] | None:
     """Under FSDP2 (each process holds a shard: every forward gathers the weights from all): a process whose group is
     done keeps taking part in the forwards until every process's is. None for a model each process holds whole."""
-    if not isinstance(model, FSDPModule):
+    if not engines.FSDP2().holds_model(model):
         return None
 
     def done_everywhere(done: bool) -> bool:
