@@ -325,7 +325,8 @@ def test_the_old_name_of_after_training_still_imports():
 
 
 # What asks which engine runs: Accelerate's distributed types of an engine, `is_fsdp2`, an engine compared by name, a
-# class name tested for FSDP2's renaming, a model asked whether FSDP2 or ZeRO-3 holds it. Only the engines' rooms (and patches.py, the upstream workarounds) may.
+# class name tested for FSDP2's renaming, a model asked whether FSDP2 or ZeRO-3 holds it. Only the engines' rooms
+# (and patches.py, the upstream workarounds) may.
 ENGINE_CHECK = re.compile(r"is_fsdp2|DistributedType\.(FSDP|DEEPSPEED|MEGATRON_LM)\b|engine\w*(\.name)?\s*[!=]=|"
                           r"[!=]=\s*\"(DDP|FSDP|DEEPSPEED)\"|\"(DDP|FSDP|DEEPSPEED)\"\s*[!=]=|in \(\"(DDP|FSDP|DEEPSPEED)\"|"
                           r"startswith\(\"FSDP\"\)|\bFSDPModule\b|\bds_id\b")
