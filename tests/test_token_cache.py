@@ -237,6 +237,7 @@ def test_a_bad_sample_in_a_tokenizing_process_is_the_same_line(tmp_path, monkeyp
 
 LAUNCHED = """
 import json, sys
+import torch
 from accelerate import PartialState
 from acc_trainer.config import ConfigError, TrainConfig
 from acc_trainer.distributed import processes
@@ -251,6 +252,12 @@ for name in ("chats.jsonl", "bad.jsonl"):
         said.append(components.build_workload(cfg).data.notes[-1])
     except ConfigError as e:
         said.append(f"ConfigError: {e}")
+# fit()'s objects (fit starts the process group before it builds them, as here): the same division of the work
+from lm_probe import chat_tokenizer, conversations, TEMPLATE_PLAIN
+cfg = TrainConfig(token_cache=f"{folder}/cache", tokenize_workers=2)
+job = components.from_objects(torch.nn.Linear(2, 2), conversations(300, 5), None, None, None, cfg=cfg,
+                              tokenizer=chat_tokenizer(TEMPLATE_PLAIN))
+said.append(job.data.notes[-1])
 with open(f"{folder}/said-{PartialState().process_index}.json", "w") as f:
     json.dump(said, f)
 """
@@ -274,3 +281,5 @@ def test_the_main_process_tokenizes_and_the_others_read_its_file_or_its_error(tm
     assert other[0].startswith(f"{tmp_path / 'chats.jsonl'}: 400 samples read from the token cache in ")
     assert main[1] == other[1] == ("ConfigError: sample 300: message 0 has the role 'narrator'; roles are system, user, "
                                    "assistant, tool, developer")
+    assert main[2].startswith("list: 300 samples tokenized by 2 processes in ")  # fit()'s objects
+    assert other[2].startswith("list: 300 samples read from the token cache in "), other[2]

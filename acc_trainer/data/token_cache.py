@@ -30,13 +30,12 @@ text are tokenized as they are read, text_streams.py, and never kept.)
   back as the same one line the serial tokenizing raises (the lowest sample first); a child that dies is an error
   naming it, never a wait.
 - **Processes**: the main process tokenizes and writes first; the others wait, then read its file. build_workload
-  builds the data inside Accelerate's `main_process_first()` (the main process first, the others after its
+  (and from_objects, fit()'s, which starts the process group first) builds the data inside Accelerate's
+  `main_process_first()` (the main process first, the others after its
   barrier), which holds the main process's error until every process has left the barrier, and the others then read
   the refusal it kept: its ConfigError becomes theirs, the same line, with no collective of its own here. The main
   process is the global one: with a cache folder on each machine's own disk, the other machines' processes do not find
-  its file and tokenize for themselves (give a shared --token-cache DIR to tokenize once in all). fit() builds its
-  data before the process group exists: there every process of a launch tokenizes (or reads) for itself, and the
-  last to finish writes the same file again.
+  its file and tokenize for themselves (give a shared --token-cache DIR to tokenize once in all).
 """
 
 from __future__ import annotations

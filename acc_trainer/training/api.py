@@ -84,6 +84,7 @@ def fit(model, train_data, eval_data=None, *, loss=None, metrics=None, collate_f
     if isinstance(metrics, (list, tuple)):
         options.setdefault("metrics", list(metrics))
     cfg = fit_config(model, train_data, config, options, collate_fn, forward)
+    processes.start(cfg)  # the process group first: under a launcher the main process tokenizes text, the others read it
     job = components.from_objects(model, train_data, eval_data, loss if loss is not None else cfg.loss,
                                   metrics if metrics is not None else cfg.metrics, collate_fn or cfg.collate,
                                   forward or cfg.forward, cfg.pack, cfg.data_pipeline, cfg, tokenizer)

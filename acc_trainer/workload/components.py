@@ -17,6 +17,7 @@ first-sample check (first_batch.py) passes two samples through the model, the lo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -416,15 +417,25 @@ def from_objects(model: nn.Module, train_data, eval_data, loss, metrics, collate
     if not isinstance(model, nn.Module):
         raise ConfigError(f"fit: model must be a torch.nn.Module, not {type(model).__name__}")
     quantized.steady(model)  # a model its user loaded in 4 bits: its layers kept as loaded (no-op for any other)
+    from accelerate import PartialState
+
     name = type(train_data).__name__ if train_data is not None else "fit()"
-    mixture, notes = mixtures.is_mixture(train_data), []
-    if mixture:  # [(dataset, weight), ...] (data/mixtures.py): fit's eval_data is the first set's evaluation split
-        parts = [mixtures.Part(type(d).__name__, d, None if i else eval_data, w) for i, (d, w) in enumerate(train_data)]
-        name = "+".join(p.name for p in parts)
-        train, eval_, notes = _mixed(parts, (cfg or TrainConfig()).seed, text, collate is None)
-    else:
-        train, eval_ = text(train_data, eval_data, name) if collate is None and train_data is not None else \
-            (train_data, eval_data)
+    mixture, notes, error = mixtures.is_mixture(train_data), [], None
+    # Under a launcher (fit() starts the process group first) the main process tokenizes and keeps the tokens, then the
+    # others read them; an error is raised after the context, so that no process is left at its barrier.
+    with PartialState().main_process_first() if PartialState._shared_state else contextlib.nullcontext():
+        try:
+            if mixture:  # [(dataset, weight), ...] (data/mixtures.py): fit's eval_data is the first set's evaluation split
+                parts = [mixtures.Part(type(d).__name__, d, None if i else eval_data, w) for i, (d, w) in enumerate(train_data)]
+                name = "+".join(p.name for p in parts)
+                train, eval_, notes = _mixed(parts, (cfg or TrainConfig()).seed, text, collate is None)
+            else:
+                train, eval_ = text(train_data, eval_data, name) if collate is None and train_data is not None else \
+                    (train_data, eval_data)
+        except ConfigError as e:
+            error = e
+    if error is not None:
+        raise error
     data = settle(data_from(*packing.pack_sets(train, eval_, pack, name), name), pipeline, collate)
     data.notes += notes + text.notes
     loss_name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
