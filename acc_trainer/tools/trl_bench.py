@@ -382,23 +382,33 @@ def markdown(rows: list[dict], cfg: TrainConfig, mode: str, args, machine: str, 
     lines = [f"# bench-lm ({'supervised fine-tuning' if mode == 'sft' else 'DPO'}): {cfg.model} on {cfg.dataset}, "
              f"global batch {cfg.batch_size}, --max-length {cfg.max_length}, {args.steps} steps ({args.warmup} of "
              f"warm-up not timed), precision {cfg.mixed_precision or 'no'}", "",
-             f"Machine: {machine}; {load}. Median of {args.repeats} runs per loop, in rotating order.", "",
-             f"Both loops, as read in their processes: {setup_text(setup, threads)}.", "",
+             *_how_measured(args, machine, load, setup, threads),
              f"| loop | processes | tokens/s | {per} | acc_trainer vs it | each repeat (median) | runs (tokens/s) "
              "| tokens per CPU s | acc_trainer vs it (CPU) |",
              "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
-    for r in rows:
-        ratio, each = _ratio_cells(r)
-        lines.append(f"| {titles(mode)[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['samples_per_s']:,.1f} | {ratio} | {each} | "
-                     f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} | {r['tokens_per_cpu_s']:,.0f} | "
-                     f"{'-' if r['cpu_ratio'] is None else format(r['cpu_ratio'], '.3f')} |")
+    lines += [_row(r, titles(mode)[r["loop"]]) for r in rows]
     lines += ["", f"tokens/s: {what} per second over the timed steps, every process together, from each run's own "
               "step logs (bench-steps-rank<R>.jsonl). acc_trainer vs it: acc_trainer's median over this loop's, on as "
               "many processes; each repeat: acc_trainer's run over this loop's run of the same repeat. Tokens per CPU "
               "s: the same tokens over the CPU seconds of every process in the timed steps (the work itself, steadier than wall "
               "time on a shared machine; medians, and their quotient).", ""]
     return "\n".join(lines)
+
+
+def _how_measured(args, machine: str, load: str, setup: dict, threads: dict[int, int]) -> list[str]:
+    """The tables' preamble: the machine and its load, the repeats, and how both loops were set up."""
+    return [f"Machine: {machine}; {load}. Median of {args.repeats} runs per loop, in rotating order.", "",
+            f"Both loops, as read in their processes: {setup_text(setup, threads)}.", ""]
+
+
+def _row(r: dict, title: str, extra: tuple = ()) -> str:
+    """A loop's row of the tables: its speeds, its ratios to acc_trainer's, `extra` cells (GRPO's shares), its CPU
+    figures."""
+    ratio, each = _ratio_cells(r)
+    cells = [title, r["processes"], f"{r['tokens_per_s']:,.0f}", f"{r['samples_per_s']:,.1f}", ratio, each,
+             ", ".join(f"{s:,.0f}" for s in r["tokens_per_s_all"]), *extra, f"{r['tokens_per_cpu_s']:,.0f}",
+             "-" if r["cpu_ratio"] is None else format(r["cpu_ratio"], ".3f")]
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def _ratio_cells(r: dict) -> tuple[str, str]:
@@ -415,19 +425,13 @@ def grpo_markdown(rows: list[dict], cfg: TrainConfig, args, machine: str, load: 
              f"{cfg.num_generations}), at most {cfg.max_completion_length} tokens each, temperature {cfg.temperature:g}, "
              f"top-p {cfg.top_p:g}, top-k {cfg.top_k}, loss {cfg.loss_type}, beta {cfg.grpo_beta:g}, {args.steps} "
              f"steps ({args.warmup} of warm-up not timed), precision {cfg.mixed_precision or 'no'}", "",
-             f"Machine: {machine}; {load}. Median of {args.repeats} runs per loop, in rotating order.", "",
-             f"Both loops, as read in their processes: {setup_text(setup, threads)}.", "",
+             *_how_measured(args, machine, load, setup, threads),
              "| loop | processes | tokens/s (generated + trained) | completions/s | acc_trainer vs it | each repeat "
              "(median) | runs (tokens/s) | generating (share of a step) | rollout (share) | tokens per CPU s "
              "| acc_trainer vs it (CPU) |",
              "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        ratio, each = _ratio_cells(r)
-        lines.append(f"| {titles('grpo')[r['loop']]} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['samples_per_s']:,.1f} | {ratio} | {each} | "
-                     f"{', '.join(f'{s:,.0f}' for s in r['tokens_per_s_all'])} | {r['generation_share']:.1%} | "
-                     f"{r['rollout_share']:.1%} | {r['tokens_per_cpu_s']:,.0f} | "
-                     f"{'-' if r['cpu_ratio'] is None else format(r['cpu_ratio'], '.3f')} |")
+    lines += [_row(r, titles("grpo")[r["loop"]], (f"{r['generation_share']:.1%}", f"{r['rollout_share']:.1%}"))
+              for r in rows]
     logged = [m.get("logged_generation_time_s") for name, measured in runs.items() if name.startswith("acc_trainer")
               for m in measured]
     check = ""
