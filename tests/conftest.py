@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -114,6 +115,68 @@ def reset_accelerate() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def forked(run, *args, processes: int = 2, config: Path | None = None, output: Path | None = None) -> None:
+    """`run(*args)` on PROCESSES processes forked from this one (acc_trainer.launch_in_notebook: a gloo group on the
+    CPU, on one thread each): for a probe whose subject is what the processes compute, not how they were started.
+    No interpreter starts and nothing is imported again (torch, Accelerate and transformers: 2-6 s of CPU a process
+    here). How users start their processes (accelerate launch, acc-trainer launch, torchrun, a config file, a
+    script) is tested in tests/test_launch.py, test_own_model.py and test_restarts.py. As a launched probe does, the
+    processes keep one group for all of `run`'s jobs. CONFIG: an accelerate config file, whose variables (FSDP's, say)
+    the processes get as `accelerate launch --config_file CONFIG` gives them. OUTPUT: a file that gets what the
+    processes print (stdout and stderr), as a launch's output does."""
+    from unittest import mock
+
+    from acc_trainer import launch_in_notebook
+
+    reset_accelerate()
+    try:
+        with one_thread(), mock.patch.dict(os.environ, _launch_variables(config, processes) if config else {}):
+            launch_in_notebook(_one_group, (output, run, *args), num_processes=processes, use_port=str(free_port()))
+    finally:
+        reset_accelerate()
+
+
+def _launch_variables(config: Path, processes: int) -> dict:
+    """The ACCELERATE_* and FSDP_* variables `accelerate launch --config_file CONFIG` sets, as Accelerate computes them."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config), "--num_processes", str(processes), "probe"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and os.environ.get(k) != v}
+
+
+def forked_cli(*args, processes: int = 2, cwd=None, output: Path | None = None) -> None:
+    """`acc-trainer ARGS` on PROCESSES processes forked from this one (see forked), in folder CWD: each ends as the
+    command line ends a process of a launch (exit 0 once the run is saved); a process that fails fails the call."""
+    forked(_command_line, [str(a) for a in args], str(cwd or os.getcwd()), processes=processes, output=output)
+
+
+def _command_line(argv: list[str], cwd: str) -> None:
+    from acc_trainer import patches
+    from acc_trainer.cli import main
+
+    # The command line ends a launched process with os._exit (patches.leave_without_teardown), before torch's forked
+    # worker hands its result to the launcher, which then waits for it: this process returns instead.
+    patches.leave_without_teardown = lambda code: None
+    os.chdir(cwd)
+    main(argv)
+
+
+def _one_group(output: Path | None, run, *args) -> None:
+    """In each forked process: `run(*args)`, every fit() in the one process group (a launched probe's too), what it
+    prints into OUTPUT."""
+    from accelerate import PartialState
+
+    if output is not None:
+        sys.stdout = sys.stderr = open(output, "a", buffering=1)  # noqa: SIM115 - the process's own, to its end
+        logging.root.handlers = []  # pytest's capture of log records: a launched process prints them on stderr
+
+    PartialState.destroy_process_group = lambda self, group=None: None  # this process's own copy of the class
+    run(*args)
+    PartialState().wait_for_everyone()
 
 
 @contextlib.contextmanager

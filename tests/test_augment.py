@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check, launch, run_here, summary
+from conftest import check, forked_cli, launch, run_here, summary
 from safetensors.torch import load_file
 from test_checkpoints import interrupted
 from test_data import write_cifar
@@ -44,10 +44,10 @@ def runs(cifar, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     job = [*JOB, "--data-dir", cifar]
     check(run_here(*job, *NO_PLOTS, "--output-dir", out / "1"))
-    check(launch(*job, "--output-dir", out / "2", launcher_args=["--multi_gpu", "--num_processes", "2"]))
+    forked_cli(*job, "--output-dir", out / "2")
     check(run_here(*job, *NO_PLOTS, "--grad-accum", "2", "--output-dir", out / "accum"))
-    check(launch(*job, *NO_PLOTS, "--data-pipeline", "per-sample", "--num-workers", "1", "--output-dir", out / "3",
-                 launcher_args=["--multi_gpu", "--num_processes", "3"]))
+    forked_cli(*job, *NO_PLOTS, "--data-pipeline", "per-sample", "--num-workers", "1", "--output-dir", out / "3",
+               processes=3)
     return out
 
 

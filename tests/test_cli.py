@@ -40,6 +40,29 @@ def test_the_start_line_names_the_topology_as_a_reader_says_it(tmp_path, main_in
     assert code == 0 and "1 process(es) (undistributed, cpu)" in stdout and "(NO," not in stdout, stdout + stderr
 
 
+def test_the_commands_process_collects_garbage_once_imported_and_a_callers_as_before(tmp_path, main_in_process):
+    """The command's own process imports with the garbage collector paused, then freezes what the imports made and
+    collects from then on (docs/performance.md); main() called in another process leaves its collector alone."""
+    import gc
+    import json
+
+    (tmp_path / "gc_probe.py").write_text(
+        "import gc, json, torch\n"
+        "def model(**_):\n"
+        "    with open('gc.json', 'w') as f:\n"
+        "        json.dump({'enabled': gc.isenabled(), 'frozen': gc.get_freeze_count()}, f)\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))\n")
+    args = ("--model", "gc_probe:model", "--max-steps", "1", "--no-plots")
+    check(run_cli(*args, "--output-dir", tmp_path / "shell", cwd=tmp_path))
+    seen = json.loads((tmp_path / "gc.json").read_text())
+    assert seen["enabled"] and seen["frozen"] > 100_000, seen  # torch and Accelerate's objects, frozen
+    frozen = gc.get_freeze_count()
+    code, stdout, stderr = main_in_process(*args, "--output-dir", tmp_path / "here")
+    assert code == 0, stdout + stderr
+    assert json.loads((tmp_path / "gc.json").read_text()) == {"enabled": True, "frozen": frozen} == {
+        "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+
+
 def test_console_script_is_the_same_command(help_text):
     via_module = help_text
     via_script = check(run_cli("--help", command=[str(BIN / "acc-trainer")])).stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -141,6 +142,9 @@ def test_a_users_image_folder_is_left_as_it_is(tmp_path, train_in_process):
     s = train_in_process(model="mlp", dataset="imagefolder", data_dir=str(tmp_path), epochs=8)
     assert s["augment"] == "none" and s["eval_samples"] == evaluated
     assert s["eval"]["accuracy"] >= 0.95
+    # Its loader's two persistent worker processes ended with the run: they were left alive until a garbage
+    # collection, which then waited 10 s for them.
+    assert multiprocessing.active_children() == []
 
 
 def test_imagefolder_evaluates_on_the_centre_and_trains_on_random_resized_crops(tmp_path):

@@ -1,6 +1,6 @@
 """DPO on the training loop (--objective dpo): on a fixed batch the loss and the figures are TRL's DPOTrainer's (a frozen
 copy as the reference, and LoRA with its adapters off); 1 vs 2 processes vs accumulation end on the same weights
-within 1e-5 (tests/dpo_probe.py, one launch); a resume ends bit for bit where the run without a stop ends; evaluation
+within 1e-5 (tests/dpo_probe.py, 2 processes forked once); a resume ends bit for bit where the run without a stop ends; evaluation
 counts every pair once, and the run folders load with from_pretrained / PeftModel.from_pretrained and their tokenizer;
 the wrong data or options are one line."""
 
@@ -17,7 +17,7 @@ trl = pytest.importorskip("trl")
 
 import dpo_probe  # noqa: E402 - after the skips
 import lm_probe  # noqa: E402
-from conftest import REPO, check, distance, launch, metrics, one_thread, reset_accelerate, summary, weights  # noqa: E402
+from conftest import distance, forked, metrics, one_thread, reset_accelerate, summary, weights  # noqa: E402
 
 from acc_trainer.config import ConfigError  # noqa: E402
 from acc_trainer.data import text as chat  # noqa: E402
@@ -177,9 +177,7 @@ def test_loss_is_trls_with_lora_adapters_off(tmp_path):
 def runs(tmp_path_factory):
     """(the 2-process runs' folder, the 1-process runs' folder): full and LoRA on 2 processes, every job on 1."""
     two, one = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("one")
-    launched = check(launch(two, "full", "lora", "unequal", launcher_args=("--multi_gpu", "--num_processes", "2"),
-                            target=(str(REPO / "tests" / "dpo_probe.py"),)))
-    (two / "launch.stderr").write_text(launched.stderr)
+    forked(dpo_probe.run_jobs, two, ["full", "lora", "unequal"], processes=2)
     reset_accelerate()
     with one_thread():
         dpo_probe.run_jobs(one, ["full", "accumulated", "lora"])

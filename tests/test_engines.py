@@ -5,7 +5,9 @@ A small Llama with tied embeddings (tests/engine_probe.py) trains in full, with 
 from a prompt) and with its first layer and the embedding frozen: on 1 plain process, on 2 FSDP2 processes
 (the same jobs, each resumed from its own checkpoint, each continuing the 1-process run's checkpoint), then on 3
 FSDP2 processes and on 1 plain process from the 2-process checkpoints; tests/dpo_probe.py's DPO runs (a frozen copy,
-the adapters off) in the same FSDP2 launch. Every run must end where the uninterrupted 1-process run ends."""
+the adapters off) in the same FSDP2 processes. Every run must end where the uninterrupted 1-process run ends. The
+processes are forked from the test's (conftest.forked), with the variables `accelerate launch --config_file
+accelerate_configs/fsdp.yaml` gives them under FSDP2."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 import engine_probe  # noqa: E402 - after the skips
-from conftest import CONFIGS, REPO, check, launch, one_thread, reset_accelerate  # noqa: E402
+from conftest import CONFIGS, forked, one_thread, reset_accelerate  # noqa: E402
 from lm_probe import base_model, documents, pad  # noqa: E402
 from safetensors.torch import load_file, save_file, save_model  # noqa: E402
 
@@ -29,20 +31,20 @@ JOBS = ("full", "lora", "freeze")
 MORE = ["dpo_full=dpo:full", "dpo_lora=dpo:lora", "unfreeze=unfreeze"]
 STEP3 = "checkpoints/step-00000003"
 FSDP = ("--config_file", str(CONFIGS / "fsdp.yaml"))
+DDP = ("--multi_gpu",)
 LACKING = "model.layers.1.mlp.down_proj.weight"  # the weight left out of a checkpoint that is to be refused
 
 
 def run_probe(out, specs, processes: int = 0, engine=FSDP):
-    """engine_probe's runs: in this process (0), or launched on PROCESSES processes of ENGINE (launcher flags)."""
+    """engine_probe's runs: in this process (0), or on PROCESSES processes of ENGINE (launcher flags; DDP's forked
+    from this process)."""
     if not processes:
         reset_accelerate()
         with one_thread():
             engine_probe.run(out, specs)
         reset_accelerate()
         return
-    launched = check(launch(out, *specs, launcher_args=(*engine, "--num_processes", str(processes)),
-                            target=(str(REPO / "tests" / "engine_probe.py"),)))
-    (out / "launch.stderr").write_text(launched.stderr)
+    forked(engine_probe.run, out, specs, processes=processes, config=None if engine == DDP else engine[1])
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def runs(tmp_path_factory):
     run_probe(folders["back"], [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS])
     ddp = folders["ddp"]
     run_probe(ddp, ["lora_own=lora", f"lora_resumed=lora@{ddp / 'lora_own' / STEP3}"]
-              + [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=2, engine=("--multi_gpu",))
+              + [f"{job}={job}@{fsdp / job / STEP3}" for job in JOBS], processes=2, engine=DDP)
     return folders
 
 

@@ -1,5 +1,5 @@
 """GRPO on the training loop (--objective grpo): the same completions and weights within 1e-5 on 1, 2 and 3 processes,
-under FSDP2 and with accumulation (tests/grpo_probe.py: launches of 2, 3 and FSDP2's 2 processes, and the 1-process
+under FSDP2 and with accumulation (tests/grpo_probe.py: on 2, 3 and FSDP2's 2 processes, forked, and the 1-process
 runs here); a
 resume generates the same completions and ends bit for bit; evaluation counts each prompt once; the figures of every
 log step are those of the step's completions (completions.jsonl); the wrong input is one line."""
@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 
 import grpo_probe  # noqa: E402 - after the skips
 import lm_probe  # noqa: E402
-from conftest import REPO, check, distance, launch, metrics, one_thread, reset_accelerate, summary, weights  # noqa: E402
+from conftest import REPO, distance, forked, launch, metrics, one_thread, reset_accelerate, summary, weights  # noqa: E402
 
 from acc_trainer.config import ConfigError  # noqa: E402
 
@@ -27,13 +27,9 @@ def runs(tmp_path_factory):
     """{processes: the folder of that launch's runs}: base, others, lora and packed on 2 processes, base on 3 and on 2 under
     FSDP2 (each process holds a shard: every one takes part in every generation's forwards), every job on 1."""
     folders = {n: tmp_path_factory.mktemp(f"p{n}") for n in (1, 2, 3, "fsdp")}
-    probe = (str(REPO / "tests" / "grpo_probe.py"),)
-    for n, jobs in ((2, ("base", "others", "lora", "packed")), (3, ("base",)), ("fsdp", ("base",))):
-        how = ("--config_file", str(REPO / "accelerate_configs" / "fsdp.yaml")) if n == "fsdp" else \
-            ("--multi_gpu", "--num_processes", str(n))
-        launched = launch(folders[n], *jobs, launcher_args=how, target=probe, timeout=600)
-        (folders[n] / "launch.stderr").write_text(launched.stderr)
-        check(launched)
+    forked(grpo_probe.run_jobs, folders[2], ["base", "others", "lora", "packed"], processes=2)
+    forked(grpo_probe.run_jobs, folders[3], ["base"], processes=3)
+    forked(grpo_probe.run_jobs, folders["fsdp"], ["base"], config=REPO / "accelerate_configs" / "fsdp.yaml")
     reset_accelerate()
     with one_thread():
         grpo_probe.run_jobs(folders[1])

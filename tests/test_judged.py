@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 import lm_probe  # noqa: E402
-from conftest import REPO, check, launch, metrics, summary  # noqa: E402
+from conftest import REPO, check, forked_cli, metrics, run_here, summary  # noqa: E402
 
 
 def overlap(prompts, completions, references, **columns) -> list[float]:
@@ -68,9 +68,8 @@ def test_judged_figures_are_transformers_greedy_answers_on_any_number_of_process
             json.dumps({"eval": write(tmp_path / "tok", held_out)}), "--tokenizer", tmp_path / "tok", "--judge",
             "exact_match,test_judged:overlap", "--max-new-tokens", "6", "--batch-size", "8", "--eval-batch-size", "2",
             "--max-steps", "12", "--eval-every", "6", "--optimizer", "adamw", "--lr", "0.01", "--no-plots", "--progress", "none"]
-    for n in (1, 2):
-        how = ("--multi_gpu", "--num_processes", "2") if n == 2 else ("--num_processes", "1")
-        check(launch(*args, "--output-dir", tmp_path / f"p{n}", launcher_args=how, cwd=REPO / "tests"))
+    check(run_here(*args, "--output-dir", tmp_path / "p1", cwd=REPO / "tests"))
+    forked_cli(*args, "--output-dir", tmp_path / "p2", cwd=REPO / "tests")
     finals = [next(row for row in reversed(metrics(tmp_path / f"p{n}")) if "eval_judged/overlap" in row) for n in (1, 2)]
     assert finals[0]["eval_samples"] == finals[1]["eval_samples"] == 7
     found = by_hand(tmp_path / "p1", held_out)

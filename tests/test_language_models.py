@@ -15,16 +15,14 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import lm_probe  # noqa: E402 - after the skips
-from conftest import REPO, check, launch, one_thread, reset_accelerate  # noqa: E402
+from conftest import forked, one_thread, reset_accelerate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(the 2-process runs' folder, the 1-process runs' folder): every job of lm_probe on each."""
     two, one = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("one")
-    launched = check(launch(two, launcher_args=("--multi_gpu", "--num_processes", "2"),
-                            target=(str(REPO / "tests" / "lm_probe.py"),)))
-    (two / "launch.stderr").write_text(launched.stderr)
+    forked(lm_probe.run_jobs, two, output=two / "launch.stderr")
     reset_accelerate()
     with one_thread():
         lm_probe.run_jobs(one, ["full", "lora", "packed", "compiled", "chat", "chat_accumulated"])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, check, launch, run_cli, summary
+from conftest import forked, run_cli, summary
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -93,20 +93,18 @@ def test_trying_sizes_changes_nothing_and_a_resume_keeps_the_choice(tmp_path):
     assert auto["grad_accum"] == 4
 
 
+def _uneven(out) -> None:
+    from accelerate import PartialState
+
+    import acc_trainer
+
+    model = Limited(limit=32 if PartialState(cpu=True).process_index == 0 else 16)
+    acc_trainer.fit(model, data(), data(64), micro_batch="auto", output_dir=out, **JOB)
+
+
 def test_two_processes_agree_on_the_size_that_fits_both(tmp_path):
     """Process 0 fits 32 samples, process 1 only 16: both take 16 (a share of 32 each, accumulated twice)."""
-    script = tmp_path / "uneven.py"
-    script.write_text(f"""
-import sys
-sys.path.insert(0, {str(REPO / 'tests')!r})
-from accelerate import PartialState
-import acc_trainer
-from test_micro_batch import JOB, Limited, data
-state = PartialState(cpu=True)
-model = Limited(limit=32 if state.process_index == 0 else 16)
-acc_trainer.fit(model, data(), data(64), micro_batch="auto", output_dir=sys.argv[1], **JOB)
-""")
-    check(launch(tmp_path / "run", launcher_args=("--multi_gpu", "--num_processes", "2"), target=(str(script),)))
+    forked(_uneven, tmp_path / "run", processes=2)
     run = summary(tmp_path / "run")
     assert (run["world_size"], run["grad_accum"], run["per_process_batch_size"]) == (2, 2, 16)
     assert any("(the largest that fits: 32 out of memory, 16 fits; tried on" in note for note in run["notes"])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, launch, run_here, summary, weights
+from conftest import REPO, check, forked_cli, run_here, summary, weights
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from acc_trainer.config import ConfigError
@@ -77,7 +77,7 @@ def distance(a: dict, b: dict) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The job on 1 process (with checkpoints), with --grad-accum 2, from a YAML list, resumed mid-epoch from the
-    first run's step-15 checkpoint, and launched on 2 processes."""
+    first run's step-15 checkpoint, and on 2 processes (forked: conftest.forked_cli)."""
     out = tmp_path_factory.mktemp("mixtures")
     folders = {name: out / name for name in ("one", "accum", "yaml", "resumed", "two")}
     check(run_here(*JOB, "--checkpoint-every", "5", "--output-dir", folders["one"], cwd=TESTS))
@@ -89,7 +89,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     step = folders["resumed"] / "checkpoints" / "step-00000015"
     shutil.copytree(folders["one"] / "checkpoints" / "step-00000015", step)  # in the 2nd epoch, 3 steps in
     check(run_here(*JOB, "--output-dir", folders["resumed"], "--resume", "auto", cwd=TESTS))
-    check(launch(*JOB, "--output-dir", folders["two"], launcher_args=["--multi_gpu", "--num_processes", 2], cwd=TESTS))
+    forked_cli(*JOB, "--output-dir", folders["two"], cwd=TESTS)
     return folders
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("bitsandbytes")
 transformers = pytest.importorskip("transformers")
 
 import qlora_probe  # noqa: E402 - after the skips
-from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, summary  # noqa: E402
+from conftest import forked_cli, metrics, one_thread, reset_accelerate, summary  # noqa: E402
 from lm_probe import base_model, chat_tokenizer, documents, pad  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -58,9 +58,8 @@ def runs(tmp_path_factory):
     base = qlora_probe.write_base(root / "base")
     one, two = root / "one", root / "two"
     in_process(*options(base, one, "--progress", "none"))
-    launched = check(launch(*options(base, two, "--progress", "plain"), env={"PYTHONPATH": str(REPO / "tests")},
-                            launcher_args=("--multi_gpu", "--num_processes", "2")))
-    return base, one, two, launched.stdout
+    forked_cli(*options(base, two, "--progress", "plain"), output=root / "two.out")
+    return base, one, two, (root / "two.out").read_text()
 
 
 def adapter(folder) -> dict:

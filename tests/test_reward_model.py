@@ -1,6 +1,6 @@
 """Reward models on the training loop (--objective reward): on a fixed batch the loss and its gradients are TRL's
 RewardTrainer's (with and without a margin column and reward centring); a short run learns a learnable preference
-(tests/reward_probe.py), 1 and 2 processes end on the same weights within 1e-5 (one launch) and evaluate every pair
+(tests/reward_probe.py), 1 and 2 processes end on the same weights within 1e-5 (2 processes forked once) and evaluate every pair
 once; the run folder loads with AutoModelForSequenceClassification.from_pretrained and gives the trained model's
 rewards; such a folder is a reward function (GRPO's `--rewards model:PATH`) that gives the folder model's scores; the
 wrong model, data or options are one line."""
@@ -14,7 +14,7 @@ trl = pytest.importorskip("trl")
 
 import lm_probe  # noqa: E402 - after the skip
 import reward_probe  # noqa: E402
-from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, summary, weights  # noqa: E402
+from conftest import forked, metrics, one_thread, reset_accelerate, summary, weights  # noqa: E402
 
 from acc_trainer.config import ConfigError  # noqa: E402
 from acc_trainer.data import text as chat  # noqa: E402
@@ -96,9 +96,7 @@ def test_loss_and_gradients_are_trls(tmp_path, case):
 def runs(tmp_path_factory):
     """(the 2-process runs' folder, the 1-process runs' folder, the models the 1-process runs trained)."""
     two, one = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("one")
-    launched = check(launch(two, "text", "chat", "tokenized", launcher_args=("--multi_gpu", "--num_processes", "2"),
-                            target=(str(REPO / "tests" / "reward_probe.py"),)))
-    (two / "launch.stderr").write_text(launched.stderr)
+    forked(reward_probe.run_jobs, two, ["text", "chat", "tokenized"], processes=2)
     reset_accelerate()
     with one_thread():
         trained = reward_probe.run_jobs(one)

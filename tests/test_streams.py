@@ -7,7 +7,7 @@ tests write (tests/streams_data.py).
 
 Every run trains one small regression MLP (no dropout) with SGD for 2 epochs of 8 steps (100 samples, global
 batch 12: 4 left out per epoch), a checkpoint at step 5. The runs are made once, in three phases: on 1
-process in this process, in one launch of 2 processes, then 1 process again and one launch of 3 (the
+process in this process, on 2 processes forked from it (conftest.forked), then 1 process again and 3 forked (the
 elastic resumes need the checkpoints of the others).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import streams_data
 import torch
-from conftest import REPO, _env, check, launch, metrics, one_thread, reset_accelerate, run_here, summary
+from conftest import REPO, _env, check, forked, metrics, one_thread, reset_accelerate, run_here, summary
 from safetensors.torch import load_file
 
 KINDS = ("numbers", "positioned", "parquet", "parquet_shuffled", "map", "text", "own_loss")
@@ -62,11 +62,10 @@ def in_process(jobs_: list[dict], out: Path) -> None:
 
 
 def launched(processes: int, jobs_: list[dict], out: Path) -> None:
+    import stream_probe
+
     out.mkdir(parents=True, exist_ok=True)
-    spec = out.parent / f"{out.name}.json"
-    spec.write_text(json.dumps(jobs_))
-    check(launch(spec, out, launcher_args=("--multi_gpu", "--num_processes", processes),
-                 target=(str(REPO / "tests" / "stream_probe.py"),), env={"PYTHONPATH": str(REPO / "tests")}))
+    forked(stream_probe.run_jobs, jobs_, out, processes=processes)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ map-style text: the same weights as the same samples held in memory, on 1 and 2 
 bit-identical (from the file's saved position, or read again and skipped when packed), packed streams planned as packed
 sets are; mistakes in one line.
 
-The runs are tests/text_stream_probe.py's, made once: every job in this process, the streamed ones again in one
-launch of 2 processes.
+The runs are tests/text_stream_probe.py's, made once: every job in this process, the streamed ones again on 2
+processes forked from it (conftest.forked).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytest.importorskip("datasets")
 
 import lm_probe  # noqa: E402 - after the skips
 import text_stream_probe as probe  # noqa: E402
-from conftest import REPO, check, distance, launch, one_thread, reset_accelerate, summary, weights  # noqa: E402
+from conftest import distance, forked, one_thread, reset_accelerate, summary, weights  # noqa: E402
 
 from acc_trainer.config import ConfigError, TrainConfig  # noqa: E402
 from acc_trainer.data import packing, text_streams  # noqa: E402
@@ -44,8 +44,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     finally:
         reset_accelerate()
     jobs = [*STREAMED, *(f"{job}_resumed" for job in probe.RESUMED)]
-    check(launch(data, two, *jobs, launcher_args=("--multi_gpu", "--num_processes", 2),
-                 target=(str(REPO / "tests" / "text_stream_probe.py"),), env={"PYTHONPATH": str(REPO / "tests")}))
+    forked(probe.run_jobs, data, two, jobs, processes=2)
     return {"one": one, "two": two, "data": data}
 
 

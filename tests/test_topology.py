@@ -1,7 +1,7 @@
 """Same computation on every topology: 1 vs 2 (vs 3) processes, accumulation, precision, evaluation.
 
-The jobs run through tests/topology_probe.py: once with 1 process (the test's own), once launched with
-2 and once with 3 (`accelerate launch --multi_gpu`, gloo on the CPU). Each comparison below would catch a
+The jobs run through tests/topology_probe.py: once with 1 process (the test's own), once on 2 and once on 3
+processes forked from it (conftest.forked: gloo on the CPU). Each comparison below would catch a
 broken gradient sync, a double-counted or dropped sample, a wrong accumulation scale or ranks
 that drift apart.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, check, launch, metrics, one_thread, reset_accelerate, summary
+from conftest import REPO, forked, metrics, one_thread, reset_accelerate, summary
 from safetensors.torch import load_file
 
 PROBE = REPO / "tests" / "topology_probe.py"
@@ -72,7 +72,7 @@ THREE_PROCESSES = [{"kind": "eval", "name": "eval", **EVAL}, _train("early", **E
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
     """Folder of each launch's results, by number of processes. The 1-process jobs run in this process
-    (on one thread, as a launched process runs), the others in one launch of 2 and one of 3 processes."""
+    (on one thread, as a launched process runs), the others on 2 and on 3 processes forked from it."""
     import topology_probe
 
     folders = {}
@@ -87,8 +87,7 @@ def runs(tmp_path_factory) -> dict[int, Path]:
             finally:
                 reset_accelerate()
         else:
-            check(launch(folder / "jobs.json", folder, launcher_args=["--multi_gpu", "--num_processes", world],
-                         target=[PROBE], timeout=600))
+            forked(topology_probe.run_jobs, jobs, folder, processes=world)
         folders[world] = folder
     return folders
 

@@ -166,3 +166,15 @@ def placement(accelerator, train_loader, eval_loader) -> list:
     so); FSDP2 and tensor parallelism ignore it."""
     return [None, None, *(False if on_device(loader, accelerator.device) else None
                           for loader in (train_loader, eval_loader)), None]
+
+
+def workers_stopped(*loaders) -> None:
+    """The loaders' worker processes end with the run that started them. A loader with persistent workers keeps them
+    (torch 2.14: its iterator, in the private `_iterator`) as long as the loader lives, and a run's objects live on
+    in reference cycles until a garbage collection: `fit()` returned with the workers alive, and the collection that
+    ended them, whenever it came, waited 10 s for them."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and callable(getattr(iterator, "_shutdown_workers", None)):
+            iterator._shutdown_workers()
+            loader._iterator = None

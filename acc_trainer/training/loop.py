@@ -31,6 +31,7 @@ import torch
 from ..config import ConfigError, TrainConfig
 from ..data.datasets import overlapped
 from ..data.faults import sample_name, stream_faults, unreadable_everywhere
+from ..data.loaders import workers_stopped
 from ..distributed.processes import Group
 from ..distributed.watchdog import Watchdog
 from ..language.adapters import gathered_state
@@ -81,6 +82,7 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
         _trackers_finished(r.accelerator)
         raise
     finally:
+        workers_stopped(r.loaders.train, r.loaders.eval)
         r.output.files.release()
 
 
