@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import logging
@@ -25,19 +26,28 @@ CONFIGS = REPO / "accelerate_configs"
 BIN = Path(sys.executable).parent
 
 
-# The files that take longest, longest first (their seconds in a serial run of the suite here, 2026-11-28): pytest
+# The files that take longest, longest first (their seconds in a run of the suite here, 2026-11-28, probes forked): pytest
 # runs with --no-loadscope-reorder (pyproject.toml), so pytest-xdist hands files out in this order and the longest
 # ones cannot start last and run alone at the end while the other worker idles (its default order, most tests
 # first, ended a run here with one worker on test_restarts.py for 75 s). test_deepspeed.py first: in a fresh virtual
 # environment (CI's) its first launch builds DeepSpeed's CPU op, 75-120 s; 20 s here once built.
-LONGEST_FIRST = ("test_deepspeed.py", "test_launch.py", "test_checkpoints.py", "test_augment.py", "test_faults.py",
-                 "test_own_model.py", "test_trl_bench.py", "test_bench.py", "test_watchdog.py", "test_restarts.py",
-                 "test_data.py", "test_engines.py", "test_topology.py", "test_streams.py", "test_grpo.py",
-                 "test_lm_example.py", "test_check.py", "test_micro_batch.py", "test_language_models.py",
-                 "test_scale_out.py", "test_slurm.py", "test_sweep.py", "test_evaluation.py", "test_tasks.py",
-                 "test_judged.py", "test_readme.py", "test_token_cache.py", "test_text_streams.py", "test_dpo.py",
-                 "test_qlora.py", "test_reports.py", "test_reward_model.py", "test_layout.py", "test_mixtures.py",
-                 "test_cli.py", "test_grpo_example.py", "test_trackers.py", "test_grpo_loss.py", "test_lr_find.py")
+LONGEST_FIRST = ("test_deepspeed.py", "test_checkpoints.py", "test_launch.py", "test_own_model.py", "test_faults.py",
+                 "test_trl_bench.py", "test_bench.py", "test_restarts.py", "test_watchdog.py", "test_augment.py",
+                 "test_check.py", "test_streams.py", "test_lm_example.py", "test_topology.py", "test_scale_out.py",
+                 "test_engines.py", "test_slurm.py", "test_sweep.py", "test_data.py", "test_language_models.py",
+                 "test_evaluation.py", "test_grpo.py", "test_token_cache.py", "test_tasks.py", "test_readme.py",
+                 "test_qlora.py", "test_reports.py", "test_text_streams.py", "test_micro_batch.py", "test_cli.py",
+                 "test_layout.py", "test_trackers.py", "test_grpo_example.py", "test_dpo.py", "test_finetune.py",
+                 "test_reward_model.py", "test_lr_find.py", "test_export.py", "test_judged.py", "test_chat.py",
+                 "test_mixtures.py")
+
+
+def pytest_collection_finish(session):
+    """What the test modules imported (torch, transformers, peft, TRL, DeepSpeed...) is frozen out of the garbage
+    collector's passes, in each test worker and in the processes forked from it (conftest.forked): a full collection
+    over those objects took 0.5-1.1 s, 28 times in a run of the suite."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):

@@ -56,11 +56,11 @@ def test_the_commands_process_collects_garbage_once_imported_and_a_callers_as_be
     check(run_cli(*args, "--output-dir", tmp_path / "shell", cwd=tmp_path))
     seen = json.loads((tmp_path / "gc.json").read_text())
     assert seen["enabled"] and seen["frozen"] > 100_000, seen  # torch and Accelerate's objects, frozen
-    frozen = gc.get_freeze_count()
+    frozen = gc.get_freeze_count()  # the suite's own (conftest), which only shrinks as frozen objects are freed
     code, stdout, stderr = main_in_process(*args, "--output-dir", tmp_path / "here")
     assert code == 0, stdout + stderr
-    assert json.loads((tmp_path / "gc.json").read_text()) == {"enabled": True, "frozen": frozen} == {
-        "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+    here = json.loads((tmp_path / "gc.json").read_text())
+    assert here["enabled"] and gc.isenabled() and here["frozen"] <= frozen and gc.get_freeze_count() <= frozen, here
 
 
 def test_console_script_is_the_same_command(help_text):
