@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, forked, metrics, one_thread, reset_accelerate, summary
+from conftest import forked, metrics, one_thread, reset_accelerate, summary
 from safetensors.torch import load_file
 
-PROBE = REPO / "tests" / "topology_probe.py"
 BASE = {"train_size": 1024, "eval_size": 256, "batch_size": 64, "epochs": 2, "max_steps": 24, "log_every": 4}
 SGD = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
 # AdamW with the parts of the loop that also depend on counting steps right: warmup, cosine decay, clipping.

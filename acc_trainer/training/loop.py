@@ -82,8 +82,10 @@ def run(cfg: TrainConfig, job: Workload, group: Group | None = None) -> dict:
         _trackers_finished(r.accelerator)
         raise
     finally:
-        workers_stopped(r.loaders.train, r.loaders.eval)
-        r.output.files.release()
+        try:
+            workers_stopped(r.loaders.train, r.loaders.eval)
+        finally:  # the folder's lock let go whatever ending the workers met
+            r.output.files.release()
 
 
 def _evaluation_due(r: Run) -> bool:
