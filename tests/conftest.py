@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import io
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,19 +31,19 @@ CONFIGS = REPO / "accelerate_configs"
 BIN = Path(sys.executable).parent
 
 
-# The files that take longest, longest first (their seconds in a run of the suite here, 2026-11-28, probes forked): pytest
-# runs with --no-loadscope-reorder (pyproject.toml), so pytest-xdist hands files out in this order and the longest
-# ones cannot start last and run alone at the end while the other worker idles (its default order, most tests
-# first, ended a run here with one worker on test_restarts.py for 75 s). test_deepspeed.py first: in a fresh virtual
-# environment (CI's) its first launch builds DeepSpeed's CPU op, 75-120 s; 20 s here once built.
-LONGEST_FIRST = ("test_deepspeed.py", "test_checkpoints.py", "test_launch.py", "test_own_model.py", "test_faults.py",
-                 "test_trl_bench.py", "test_bench.py", "test_restarts.py", "test_watchdog.py", "test_augment.py",
-                 "test_check.py", "test_streams.py", "test_lm_example.py", "test_topology.py", "test_scale_out.py",
-                 "test_engines.py", "test_slurm.py", "test_sweep.py", "test_data.py", "test_language_models.py",
-                 "test_evaluation.py", "test_grpo.py", "test_token_cache.py", "test_tasks.py", "test_readme.py",
-                 "test_qlora.py", "test_reports.py", "test_text_streams.py", "test_micro_batch.py", "test_cli.py",
-                 "test_layout.py", "test_trackers.py", "test_grpo_example.py", "test_dpo.py", "test_finetune.py",
-                 "test_reward_model.py", "test_lr_find.py", "test_export.py", "test_judged.py", "test_chat.py",
+# The files that take longest, longest first (their seconds in a run of the suite here, 2026-11-28, probes and single
+# commands forked): pytest runs with --no-loadscope-reorder (pyproject.toml), so pytest-xdist hands files out in this
+# order and the longest ones cannot start last and run alone at the end while the other worker idles (its default
+# order, most tests first, ended a run here with one worker on test_restarts.py for 75 s). test_deepspeed.py first: in
+# a fresh virtual environment (CI's) its first launch builds DeepSpeed's CPU op, 75-120 s; 20 s here once built.
+LONGEST_FIRST = ("test_deepspeed.py", "test_launch.py", "test_checkpoints.py", "test_trl_bench.py", "test_own_model.py",
+                 "test_watchdog.py", "test_faults.py", "test_bench.py", "test_restarts.py", "test_lm_example.py",
+                 "test_augment.py", "test_streams.py", "test_topology.py", "test_engines.py", "test_scale_out.py",
+                 "test_data.py", "test_slurm.py", "test_check.py", "test_language_models.py", "test_grpo.py",
+                 "test_sweep.py", "test_tasks.py", "test_readme.py", "test_cli.py", "test_text_streams.py",
+                 "test_token_cache.py", "test_evaluation.py", "test_layout.py", "test_reports.py", "test_trackers.py",
+                 "test_grpo_example.py", "test_dpo.py", "test_qlora.py", "test_micro_batch.py", "test_reward_model.py",
+                 "test_lr_find.py", "test_finetune.py", "test_export.py", "test_judged.py", "test_chat.py",
                  "test_mixtures.py")
 
 
@@ -74,6 +79,68 @@ def run_cli(*args, cwd=None, timeout=300, command=None) -> subprocess.CompletedP
     cmd = command or [sys.executable, "-m", "acc_trainer"]
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout,
                           env=_env())
+
+
+def run_forked(*args, cwd=None, before=None, timeout=300) -> subprocess.CompletedProcess:
+    """`acc-trainer ARGS` in a process of its own forked from this one, returning what run_cli returns: its exit code
+    (negative where a signal ended it) and what it printed on its stdout and stderr, from the state a new process
+    starts in (Accelerate's, warnings', signals', one thread). BEFORE: a function run in that process first (a file
+    size limit, say). No interpreter starts and nothing is imported again (2-3 s of CPU a run here); how the command
+    starts from the shell (`python -m acc_trainer`, the console script, imports, noise) stays run_cli's."""
+    import tempfile
+
+    reset_accelerate()
+    with tempfile.TemporaryDirectory(prefix="forked-cli-") as folder:
+        printed = (Path(folder) / "stdout", Path(folder) / "stderr")
+        pid = os.fork()
+        if pid == 0:  # the command's process: it never returns into the test
+            _forked_command([str(a) for a in args], str(cwd or os.getcwd()), printed, before)
+        deadline = time.monotonic() + timeout
+        while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(["acc-trainer", *map(str, args)], timeout)
+            time.sleep(0.02)
+        stdout, stderr = (path.read_text() for path in printed)
+    return subprocess.CompletedProcess(["acc-trainer", *map(str, args)], os.waitstatus_to_exitcode(ended[1]), stdout,
+                                       stderr)
+
+
+def _forked_command(argv: list[str], cwd: str, printed: tuple[Path, Path], before) -> None:
+    """In run_forked's process: the command, its output into the files PRINTED, its exit code the process's."""
+    code = 1
+    try:
+        for fd, path in zip((1, 2), printed):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))  # noqa: SIM115
+        logging.root.handlers = []  # records as a new process prints them (warnings and up, on stderr)
+        importlib.reload(warnings)  # shown as a new interpreter shows them (pytest records them in a test)
+        warnings._filters_mutated()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))]:
+            del os.environ[name]  # as _env leaves them out of a subprocess's
+        os.chdir(cwd)
+        import torch
+
+        torch.set_num_threads(1)
+        if before is not None:
+            before()
+        from acc_trainer.cli import main
+
+        main(argv)
+        code = 0
+    except SystemExit as e:  # as the interpreter ends on it
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught error
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
 
 
 def free_port() -> int:
@@ -158,10 +225,13 @@ def _launch_variables(config: Path, processes: int) -> dict:
     return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and os.environ.get(k) != v}
 
 
-def forked_cli(*args, processes: int = 2, cwd=None, output: Path | None = None) -> None:
+def forked_cli(*args, processes: int = 2, cwd=None, config: Path | None = None, output: Path | None = None) -> str | None:
     """`acc-trainer ARGS` on PROCESSES processes forked from this one (see forked), in folder CWD: each ends as the
-    command line ends a process of a launch (exit 0 once the run is saved); a process that fails fails the call."""
-    forked(_command_line, [str(a) for a in args], str(cwd or os.getcwd()), processes=processes, output=output)
+    command line ends a process of a launch (exit 0 once the run is saved); a process that fails fails the call.
+    With OUTPUT: returns what the processes printed there (stdout and stderr as one)."""
+    forked(_command_line, [str(a) for a in args], str(cwd or os.getcwd()), processes=processes, config=config,
+           output=output)
+    return None if output is None else Path(output).read_text()
 
 
 def _command_line(argv: list[str], cwd: str) -> None:

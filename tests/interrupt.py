@@ -5,7 +5,7 @@
 --signal/--at/--rank: process R sends itself the signal in its N-th backward pass (a micro-batch).
 --kill-in-save N:     the main process is killed (SIGKILL) inside its N-th checkpoint write.
 --poison I:           training sample I of the synthetic set is NaN (a runaway loss on one process).
-Also under `accelerate launch`, one per process.
+Also under `accelerate launch`, one per process, and in a process forked from a test's (`prepare(OPTIONS)` there).
 """
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ from accelerate import Accelerator
 
 def main() -> None:
     cut = sys.argv.index("--")
+    prepare([*map(str, sys.argv[1:cut])])
+    from acc_trainer.cli import main as cli
+
+    cli(sys.argv[cut + 1:])
+
+
+def prepare(options: list[str]) -> None:
+    """OPTIONS' interruptions, set up in this process (before the command line runs in it)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--signal", choices=("TERM", "INT", "KILL"))
     parser.add_argument("--at", type=int)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--kill-in-save", type=int)
     parser.add_argument("--poison", type=int)
-    args = parser.parse_args(sys.argv[1:cut])
+    args = parser.parse_args(options)
 
     if args.signal:
         backward, count = Accelerator.backward, [0]
@@ -62,10 +70,6 @@ def main() -> None:
             return made
 
         data.DATASETS["synthetic"] = poisoned
-
-    from acc_trainer.cli import main as cli
-
-    cli(sys.argv[cut + 1:])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check, forked_cli, launch, run_here, summary
+from conftest import check, forked_cli, run_here, summary
 from safetensors.torch import load_file
 from test_checkpoints import interrupted
 from test_data import write_cifar
@@ -76,10 +76,10 @@ def test_an_augmented_run_stopped_and_resumed_is_the_same_run(runs, cifar, tmp_p
     # SIGTERM in the 7th micro-batch: 1 process stops after step 7, 2 at the next log step (10, the epoch's end).
     first = interrupted(["--signal", "TERM", "--at", 7, "--rank", world - 1], "--output-dir", out, world=world, job=job)
     assert "stopped by SIGTERM" in first.stderr, first.stderr[-2000:]
-    again = [*job, "--output-dir", out, "--resume", "auto"]
-    result = check(run_here(*again) if world == 1 else
-                   launch(*again, launcher_args=["--multi_gpu", "--num_processes", "2"]))
-    assert "resuming at step" in result.stdout
+    again = [*job, "--output-dir", out, "--resume", "auto"]  # continued here, or on processes forked from here
+    printed = (check(run_here(*again)).stdout if world == 1 else
+               forked_cli(*again, processes=world, output=tmp_path / "resumed.out"))
+    assert "resuming at step" in printed
     reference, resumed = weights(runs / str(world)), weights(out)
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
     assert summary(out)["evals"] == summary(runs / str(world))["evals"]

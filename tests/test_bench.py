@@ -11,7 +11,7 @@ import re
 import time
 
 import pytest
-from conftest import run_cli
+from conftest import run_forked
 from test_reports import assert_png
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
@@ -95,7 +95,7 @@ def test_bench_input_errors(tmp_path):
                           (["--processes", "3", "--batch-size", "128"], "--batch-size 128 does not split over 3"),
                           (["--steps", "60", "--warmup", "5"], "--warmup and --steps must be multiples of --log-every (10)"),
                           (["--steps", "10", "--warmup", "10"], "0 < warmup < steps")]:
-        result = run_cli("bench", *args, cwd=tmp_path)
+        result = run_forked("bench", *args, cwd=tmp_path)
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("acc-trainer: error: ") and message in result.stderr
         assert result.stderr.count("\n") == 1

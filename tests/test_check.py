@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import BIN, run_cli
+from conftest import BIN, run_cli, run_forked
 
 # Small and not chaotic: SGD on a 16-32-4 MLP. 8 steps per run, evaluation of 301 samples.
 OPTIONS = {"batch_size": 64, "optimizer": "sgd", "lr": 0.05}
@@ -88,8 +88,8 @@ def test_a_dataset_whose_length_differs_per_process(project):
 
 
 def test_a_failing_check_exits_1_from_the_command_line(project):
-    result = run_cli("check", "--model", "broken:BatchNormNet", "--dataset", "my_data:load", "--batch-size", "64",
-                     "--steps", "4", cwd=project)
+    result = run_forked("check", "--model", "broken:BatchNormNet", "--dataset", "my_data:load", "--batch-size", "64",
+                        "--steps", "4", cwd=project)
     assert result.returncode == 1
     assert "3 check(s) failed" in result.stdout
     lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") >= 4}
@@ -113,9 +113,8 @@ def _table(stdout: str) -> dict:
 def test_faults_a_killed_and_a_stopped_process_end_the_run_which_resumes_bit_identical(project):
     """`check --faults`, with the watchdog's bound set by the user: the kill ends the survivor at once (its
     collective fails), the stop within the bound and the check's slack; both runs resume to the same bits."""
-    result = run_cli("check", "--faults", "--hang-timeout", "3", "--model", "my_model:build", "--dataset", "my_data:load",
-                     "--batch-size", "64", "--optimizer", "sgd", "--lr", "0.05", cwd=project,
-                     command=[str(BIN / "acc-trainer")])
+    result = run_forked("check", "--faults", "--hang-timeout", "3", "--model", "my_model:build", "--dataset",
+                        "my_data:load", "--batch-size", "64", "--optimizer", "sgd", "--lr", "0.05", cwd=project)
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = _table(result.stdout)

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, CONFIGS, REPO, _env, check, free_port, launch, metrics, run_cli, run_here, summary
+from conftest import (
+    BIN,
+    CONFIGS,
+    REPO,
+    _env,
+    check,
+    forked_cli,
+    free_port,
+    launch,
+    metrics,
+    run_cli,
+    run_forked,
+    run_here,
+    summary,
+)
 from safetensors.torch import load_file
 
 from acc_trainer.config import ConfigError
@@ -30,20 +44,24 @@ TWO = ["--multi_gpu", "--num_processes", "2"]
 
 
 def interrupted(options, *args, world=1, job=JOB):
-    """Runs JOB + ARGS through tests/interrupt.py with its OPTIONS, on 1 or 2 processes."""
+    """Runs JOB + ARGS with tests/interrupt.py's OPTIONS: on 1 process forked from this one, on 2 launched."""
     if world == 1:
-        return subprocess.run([sys.executable, INTERRUPT, *map(str, options), "--", *map(str, [*job, *args])],
-                              capture_output=True, text=True, env=_env(), timeout=300)
+        import interrupt
+
+        return run_forked(*job, *args, before=functools.partial(interrupt.prepare, [*map(str, options)]))
     return launch(*options, "--", *job, *args, launcher_args=TWO, target=[INTERRUPT])
 
 
 def resumed(out, world=1):
     """The interrupted run continued to its end: on one process in this process (the same flags through the
     same acc_trainer.cli.main, on one thread as the subprocesses; nothing here is about the process
-    boundary, and a run continued here must match the reference bit for bit all the same), on two with
-    `accelerate launch`."""
+    boundary, and a run continued here must match the reference bit for bit all the same), on two processes
+    forked from this one (conftest.forked_cli; the launches and their signals are the interrupted runs'). Returns
+    what the run printed as its stdout."""
     args = [*JOB, "--output-dir", out, "--resume", "auto"]
-    return check(run_here(*args) if world == 1 else launch(*args, launcher_args=TWO))
+    if world == 1:
+        return check(run_here(*args)).stdout
+    return forked_cli(*args, processes=world, output=out.parent / "resumed.out")
 
 
 def same_run(reference, run):
@@ -59,15 +77,17 @@ def same_run(reference, run):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted runs, on 1 and 2 processes: reference(world) is the folder of the run on WORLD
-    processes, made the first time a test asks for it. The one on one process runs in this process (as
-    `resumed` does), the one on two with `accelerate launch`."""
+    processes, made the first time a test asks for it, where `resumed` runs them (this process, or processes
+    forked from it)."""
     folder, made = tmp_path_factory.mktemp("reference"), {}
 
     def run(world):
         if world not in made:
             out = folder / str(world)
-            check(run_here(*JOB, "--output-dir", out) if world == 1 else launch(*JOB, "--output-dir", out,
-                                                                                launcher_args=TWO))
+            if world == 1:
+                check(run_here(*JOB, "--output-dir", out))
+            else:
+                forked_cli(*JOB, "--output-dir", out, processes=world)
             made[world] = out
         return made[world]
 
@@ -94,7 +114,7 @@ def test_interrupted_twice_and_resumed_is_the_same_run(tmp_path, reference, worl
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == [
         f"step-{s:08d}" for s in sorted({7, stop, 14, 21, 28, second_stop} - ({28} if world == 1 else set()))]
     result = resumed(out, world)
-    assert f"resuming at step {second_stop}" in result.stdout
+    assert f"resuming at step {second_stop}" in result
     same_run(reference(world), out)
     assert summary(out)["resumed_from"] == str(out / "checkpoints" / f"step-{second_stop:08d}")
 
@@ -104,7 +124,7 @@ def test_kill_9_loses_only_the_steps_since_the_last_checkpoint(tmp_path, referen
     killed = interrupted(["--signal", "KILL", "--at", 40], "--output-dir", out)  # in step 20
     assert killed.returncode == -signal.SIGKILL
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-00000007", "step-00000014"]
-    assert "resuming at step 14" in resumed(out).stdout
+    assert "resuming at step 14" in resumed(out)
     same_run(reference(1), out)
 
 
@@ -115,7 +135,7 @@ def test_a_checkpoint_killed_while_written_never_looks_usable(tmp_path, referenc
     folders = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert folders == [".tmp-step-00000014", "step-00000007"]
     assert (out / "checkpoints" / ".tmp-step-00000014" / "model.safetensors").exists()  # written, not complete
-    assert "resuming at step 7" in resumed(out).stdout
+    assert "resuming at step 7" in resumed(out)
     same_run(reference(1), out)
     assert not (out / "checkpoints" / ".tmp-step-00000014").exists()  # cleared by the next save
 

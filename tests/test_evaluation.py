@@ -6,11 +6,12 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import check, launch, metrics, run_here, summary
+from conftest import forked, metrics, run_here, summary
 
 # An MLP on the generated 10-class images whose evaluation cannot improve (lr 1e-9): the first evaluation is
 # the best, and with --patience 2 the run stops after the third epoch (step 24 of 8 per epoch).
@@ -70,32 +71,25 @@ def test_early_stop_naming_a_metric_the_run_does_not_compute_is_one_line(tmp_pat
 # Label smoothing: `evaluate` on the run scores with the loss the run evaluated with.
 RUN = ["--model", "mlp", "--dataset", "synthetic", "--train-size", "512", "--eval-size", "101", "--batch-size", "64",
        "--epochs", "2", "--metrics", "accuracy,f1,auroc,precision,recall", "--progress", "none", "--label-smoothing", "0.1"]
-API = '''
-import json, sys
-from pathlib import Path
-from safetensors.torch import load_file
-import acc_trainer
-from acc_trainer.workload.components import build_data, build_model
-from acc_trainer.config import make_config
+def _evaluated_from_python(run: Path, out: Path) -> None:
+    """In each of several processes: acc_trainer.evaluate and predict on the run's model, as a user's script calls
+    them; the main process writes OUT/results.json."""
+    from safetensors.torch import load_file
 
-run, out = Path(sys.argv[1]), Path(sys.argv[2])
-cfg = make_config({"model": "mlp", "dataset": "synthetic", "train_size": 512, "eval_size": 101})
-data = build_data(cfg)
-model = build_model(cfg, data)
-model.load_state_dict(load_file(run / "model.safetensors"))
-results = acc_trainer.evaluate(model, data.eval, metrics=["accuracy", "f1", "auroc", "precision", "recall"],
-                               eval_batch_size=7, label_smoothing=0.1)  # as the run was trained and evaluated
-written = acc_trainer.predict(model, data.eval, output=out / "predictions.jsonl", eval_batch_size=7)
-rows = acc_trainer.predict(model, data.eval, eval_batch_size=5)
-import os, torch.distributed as dist
-if dist.get_rank() == 0:
-    (out / "results.json").write_text(json.dumps({"results": results, "rows": rows, "written": str(written)}))
-# torch 2.14's gloo sometimes aborts a finished multi-process script at interpreter exit (SIGABRT, "terminate
-# called without an active exception"; once in a CI run of 3 processes, never in 60 launches by hand), after
-# every file is written: leave without the teardown, as docs/evaluation.md advises such a script to.
-dist.barrier()
-os._exit(0)
-'''
+    import acc_trainer
+    from acc_trainer.config import make_config
+    from acc_trainer.workload.components import build_data, build_model
+
+    cfg = make_config({"model": "mlp", "dataset": "synthetic", "train_size": 512, "eval_size": 101})
+    data = build_data(cfg)
+    model = build_model(cfg, data)
+    model.load_state_dict(load_file(run / "model.safetensors"))
+    results = acc_trainer.evaluate(model, data.eval, metrics=["accuracy", "f1", "auroc", "precision", "recall"],
+                                   eval_batch_size=7, label_smoothing=0.1)  # as the run was trained and evaluated
+    written = acc_trainer.predict(model, data.eval, output=out / "predictions.jsonl", eval_batch_size=7)
+    rows = acc_trainer.predict(model, data.eval, eval_batch_size=5)
+    if torch.distributed.get_rank() == 0:
+        (out / "results.json").write_text(json.dumps({"results": results, "rows": rows, "written": str(written)}))
 
 
 @pytest.fixture(scope="module")
@@ -185,11 +179,9 @@ def test_predict_and_evaluate_read_a_set_whose_training_split_is_smaller_than_a_
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_evaluate_and_predict_from_python_on_several_processes(finished, tmp_path, world):
-    """acc_trainer.evaluate and acc_trainer.predict in a script launched on 2 and 3 processes, with
-    evaluation batches (7 and 5 per process) that leave the last global batch padded."""
-    script = tmp_path / "after.py"
-    script.write_text(API)
-    check(launch(finished, tmp_path, launcher_args=["--multi_gpu", "--num_processes", world], target=[script]))
+    """acc_trainer.evaluate and acc_trainer.predict on 2 and 3 processes (forked from this one), with evaluation
+    batches (7 and 5 per process) that leave the last global batch padded."""
+    forked(_evaluated_from_python, finished, tmp_path, processes=world)
     got = json.loads((tmp_path / "results.json").read_text())
     s = summary(finished)
     for name, value in s["eval"].items():

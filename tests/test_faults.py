@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import BIN, _env, check, free_port, launch, run_cli, run_here, summary
+from conftest import BIN, _env, check, free_port, launch, run_cli, run_forked, run_here, summary
 
 SMALL = ["--model", "mlp", "--train-size", "256", "--eval-size", "64", "--batch-size", "64", "--progress", "none", "--no-plots"]
 
@@ -134,7 +134,7 @@ def test_two_runs_on_one_folder_and_a_killed_runs_lock(tmp_path):
             time.sleep(0.01)
         first.send_signal(signal.SIGSTOP)  # paused mid-run, holding its lock, whatever the machine's speed
         assert first.poll() is None, "the first run ended before the second started"
-        second = run_cli(*SMALL, "--max-steps", "4", "--output-dir", out)
+        second = run_forked(*SMALL, "--max-steps", "4", "--output-dir", out)
         assert second.returncode == 2
         assert second.stderr == (f"acc-trainer: error: --output-dir {out} is in use by another run (process "
                                  f"{first.pid}); wait for it to end, or choose another folder\n")
@@ -160,12 +160,9 @@ def _with_file_size_limit(limit: int):
 
 def test_a_checkpoint_that_does_not_fit_on_the_disk(tmp_path):
     """The MLP's Adam state (12.6 MB) cannot be written under an 8 MB file size limit."""
-    from conftest import _env
-
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "acc_trainer", *SMALL, "--plots", "--max-steps", "8",
-                             "--checkpoint-every", "4", "--log-every", "2", "--output-dir", str(out)],
-                            capture_output=True, text=True, env=_env(), preexec_fn=_with_file_size_limit(8 << 20), timeout=300)
+    result = run_forked(*SMALL, "--plots", "--max-steps", "8", "--checkpoint-every", "4", "--log-every", "2",
+                        "--output-dir", out, before=_with_file_size_limit(8 << 20))
     assert result.returncode == 1, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == (
         f"acc-trainer: writing checkpoint {out}/checkpoints/step-00000004 failed: File too large (the file size "
@@ -178,12 +175,8 @@ def test_a_checkpoint_that_does_not_fit_on_the_disk(tmp_path):
 
 
 def test_final_weights_that_do_not_fit(tmp_path):
-    from conftest import _env
-
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "acc_trainer", *SMALL, "--max-steps", "4", "--output-dir", str(out)],
-                            capture_output=True, text=True, env=_env(), preexec_fn=_with_file_size_limit(4 << 20),
-                            timeout=300)
+    result = run_forked(*SMALL, "--max-steps", "4", "--output-dir", out, before=_with_file_size_limit(4 << 20))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"acc-trainer: writing the final weights {out}/model.safetensors failed: File too large (the file size limit, "
@@ -209,7 +202,7 @@ PHOTOS = ["--dataset", "imagefolder", "--image-size", "16", "--model", "mlp", "-
 def test_an_unreadable_sample_stops_with_its_name_after_a_checkpoint(tmp_path):
     broken = _photos_with_a_truncated_one(tmp_path / "photos")
     out = tmp_path / "run"
-    result = run_cli(*PHOTOS, "--data-dir", tmp_path / "photos", "--output-dir", out)
+    result = run_forked(*PHOTOS, "--data-dir", tmp_path / "photos", "--output-dir", out)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"acc-trainer: training sample {broken} (OSError: image file is truncated")
@@ -250,11 +243,8 @@ LINREG = ["--model", "linreg", "--dataset", "linear", "--eval-size", "64", "--ba
 def test_run_files_that_do_not_fit(tmp_path):
     """metrics.jsonl, then summary.json, cannot grow past the file size limit: one line each, naming the
     file and the checkpoint to resume from; what was written before is kept."""
-    from conftest import _env
-
     def under_limit(limit, *args):
-        return subprocess.run([sys.executable, "-m", "acc_trainer", *LINREG, *map(str, args)], capture_output=True,
-                              text=True, env=_env(), preexec_fn=_with_file_size_limit(limit), timeout=300)
+        return run_forked(*LINREG, *args, before=_with_file_size_limit(limit))
 
     # A log line every step fills metrics.jsonl (20 kB) near step 80; linreg's checkpoints (15 kB) fit.
     out = tmp_path / "log"
@@ -294,8 +284,8 @@ def test_a_checkpoint_on_a_full_disk(tmp_path):
     _small_disk(disk, "24m")
     try:
         out = disk / "run"
-        result = run_cli(*SMALL, "--plots", "--batch-size", "32", "--train-size", "512", "--max-steps", "12", "--log-every", "2",
-                         "--checkpoint-every", "4", "--keep-last", "1", "--output-dir", out)
+        result = run_forked(*SMALL, "--plots", "--batch-size", "32", "--train-size", "512", "--max-steps", "12",
+                            "--log-every", "2", "--checkpoint-every", "4", "--keep-last", "1", "--output-dir", out)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
         assert result.stderr == (f"acc-trainer: writing checkpoint {out}/checkpoints/step-00000008 failed: No space "
                                  f"left on device; the last complete checkpoint is {out}/checkpoints/step-00000004\n")
@@ -417,8 +407,8 @@ def test_predict_stopped_by_sigterm_leaves_no_temporary_files(tmp_path):
 
     (tmp_path / "slow.py").write_text(SLOW_DATA)
     run = tmp_path / "run"
-    check(run_cli("--model", "mlp", "--dataset", "slow:load", "--batch-size", "32", "--max-steps", "1", "--no-plots",
-                  "--progress", "none", "--output-dir", run, cwd=tmp_path))
+    check(run_forked("--model", "mlp", "--dataset", "slow:load", "--batch-size", "32", "--max-steps", "1", "--no-plots",
+                     "--progress", "none", "--output-dir", run, cwd=tmp_path))
     output = tmp_path / "rows.jsonl"
     predicting = subprocess.Popen([sys.executable, "-m", "acc_trainer", "predict", str(run), "--output", str(output),
                                    "--eval-batch-size", "100", "--dataset-args", "{eval_size: 4000}"], cwd=tmp_path,

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import BIN, CONFIGS, _env, check, free_port, launch, metrics, run_here, summary
+from conftest import BIN, CONFIGS, _env, check, forked_cli, free_port, launch, metrics, run_here, summary
 from safetensors.torch import load_file
 
 EXPECTED_CONFIGS = {
@@ -119,12 +119,9 @@ def orphan_launcher(plain: bool = False) -> list[str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """ORPHAN_JOB run to its end on 2 processes."""
-    from conftest import REPO
-
+    """ORPHAN_JOB run to its end on 2 processes (forked from this one: the launches are the interrupted runs')."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    check(subprocess.run([*orphan_launcher(), *ORPHAN_JOB, "--output-dir", str(out / "run")], capture_output=True,
-                         text=True, env=_env(PYTHONPATH=str(REPO / "tests")), timeout=300, cwd=out))
+    forked_cli(*ORPHAN_JOB, "--output-dir", out / "run", processes=2, cwd=out)
     return load_file(out / "run" / "model.safetensors")
 
 

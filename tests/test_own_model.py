@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import user_project
-from conftest import BIN, REPO, _env, check, free_port, launch, metrics, reset_accelerate, run_cli, summary
+from conftest import BIN, REPO, _env, check, forked, free_port, launch, metrics, reset_accelerate, run_cli, summary
 from safetensors.torch import load_file
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
@@ -181,10 +181,13 @@ def test_a_model_with_dropout_resumed_after_sigterm_is_the_same_run(project):
     call, after the first-sample check's): both stop at an agreed
     step with a checkpoint; resumed, the run ends bit-identical to an uninterrupted one (RNG states of
     both processes restored, so dropout draws the same masks)."""
+    import train_script
+
     script = project / "train_script.py"
     two = ["--multi_gpu", "--num_processes", "2"]
-    check(launch("0.3", "--output-dir", project / "whole", "--log-every", "2", "--no-plots", launcher_args=two, target=[script],
-                 cwd=project))
+    # The uninterrupted run and the resume: the script's main() on processes forked from this one (its launch is
+    # the stopped run's).
+    forked(train_script.main, ["0.3", "--output-dir", str(project / "whole"), "--log-every", "2", "--no-plots"])
     out = project / "cut"
     stopped = launch("0.3", "--output-dir", out, "--log-every", "2", "--no-plots", launcher_args=two, target=[script],
                      cwd=project, env={"SIGTERM_AT_BATCH": "12"})
@@ -192,8 +195,7 @@ def test_a_model_with_dropout_resumed_after_sigterm_is_the_same_run(project):
     assert stopped.returncode != 0 and "TrainingStopped: stopped by SIGTERM at step 12" in stopped.stderr
     checkpoints = sorted((out / "checkpoints").glob("step-*"))
     assert len(checkpoints) == 1 and 11 <= int(checkpoints[0].name[5:]) < 16, stopped.stderr[-2000:]
-    check(launch("0.3", "--output-dir", out, "--log-every", "2", "--no-plots", "--resume", "auto", launcher_args=two,
-                 target=[script], cwd=project))
+    forked(train_script.main, ["0.3", "--output-dir", str(out), "--log-every", "2", "--no-plots", "--resume", "auto"])
     whole, resumed = _weights(project / "whole"), _weights(out)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert summary(out)["eval"] == summary(project / "whole")["eval"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, _env, check, free_port, launch, metrics, summary
+from conftest import BIN, _env, check, forked_cli, free_port, launch, metrics, summary
 from safetensors.torch import load_file
 
 # 64 steps over 2 epochs, a checkpoint every 8: a worker is killed after the first one, and the restarted
@@ -25,8 +25,9 @@ JOB = ["--model", "mlp", "--train-size", "2048", "--eval-size", "256", "--batch-
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """JOB run to its end on 2 processes forked from this one (the launches are those restarted)."""
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    check(launch(*JOB, "--output-dir", run, launcher_args=["--multi_gpu", "--num_processes", "2"]))
+    forked_cli(*JOB, "--output-dir", run, processes=2)
     return run
 
 
@@ -142,7 +143,7 @@ def test_acc_trainer_launch_restarts_without_a_variable_and_ends_bit_identical(t
            "--batch-size", "64", "--epochs", "2", "--checkpoint-every", "4", "--resume", "auto", "--no-plots",
            "--progress", "plain", "--log-every", "4", "--dist-timeout", "120"]
     reference, run = tmp_path / "reference", tmp_path / "run"
-    check(launch(*job, "--output-dir", reference, cwd=tmp_path, launcher_args=["--multi_gpu", "--num_processes", "2"]))
+    forked_cli(*job, "--output-dir", reference, processes=2, cwd=tmp_path)  # uninterrupted, on forked processes
     restarted = launch(*job, "--output-dir", run, cwd=tmp_path, env={"KILLS": "1"},
                        launcher_args=["--multi_gpu", "--num_processes", "2", "--max_restarts", "3"])
     check(restarted)

@@ -4,10 +4,11 @@ test_slurm.py)."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, CONFIGS, _env, check, free_port, launch, run_here, summary
+from conftest import BIN, CONFIGS, _env, check, forked_cli, free_port, launch, run_here, summary
 from safetensors.torch import load_file
 
 JOB = ["--model", "mlp", "--train-size", "1024", "--eval-size", "256", "--batch-size", "64", "--epochs", "2",
@@ -50,10 +51,10 @@ def plain_run(tmp_path_factory):
     return out
 
 
-def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, shards: str) -> None:
+def check_sharded_engine(tmp_path, plain_run, engine: str, config: Path, shards: str) -> None:
     """Trains SHARDED_JOB (+ EXTRA) under an engine, checkpointing at step 10, then resumes from that checkpoint."""
     check(launch(*SHARDED_JOB, *NO_PLOTS, "--output-dir", tmp_path / "run", "--checkpoint-every", "10",
-                 launcher_args=launcher_args))
+                 launcher_args=["--config_file", config]))
     s, plain = summary(tmp_path / "run"), summary(plain_run)
     assert s["distributed_type"] == engine
     for a, b in zip(s["evals"], plain["evals"], strict=True):
@@ -70,9 +71,10 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
     mlp(Data(None, None, "classification", 10, (3, 32, 32))).load_state_dict(final)  # strict
     assert max((final[k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
 
-    # Resumed from the step-10 checkpoint, the run ends with exactly the same weights.
-    check(launch(*SHARDED_JOB, *NO_PLOTS, "--output-dir", tmp_path / "resumed", "--resume", checkpoint,
-                 launcher_args=launcher_args))
+    # Resumed from the step-10 checkpoint, the run ends with exactly the same weights (on processes forked from this
+    # one, with the variables the launch's config gave).
+    forked_cli(*SHARDED_JOB, *NO_PLOTS, "--output-dir", tmp_path / "resumed", "--resume", checkpoint,
+               config=config)
     resumed = load_file(tmp_path / "resumed" / "model.safetensors")
     assert all(torch.equal(resumed[k], final[k]) for k in final)
     assert summary(tmp_path / "resumed")["evals"] == s["evals"]
@@ -87,7 +89,7 @@ def check_sharded_engine(tmp_path, plain_run, engine: str, launcher_args: list, 
 
 def test_fsdp_on_two_cpu_processes(tmp_path, plain_run):
     """fsdp.yaml (FSDP2) on 2 gloo processes; the checkpoint is sharded, one file per process."""
-    check_sharded_engine(tmp_path, plain_run, "FSDP", ["--config_file", CONFIGS / "fsdp.yaml"], "pytorch_model_fsdp_0")
+    check_sharded_engine(tmp_path, plain_run, "FSDP", CONFIGS / "fsdp.yaml", "pytorch_model_fsdp_0")
     shards = tmp_path / "run" / "checkpoints" / "step-00000010" / "pytorch_model_fsdp_0"
     assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     s = summary(tmp_path / "run")  # each weight is held once: the report says so, never a claimed agreement

@@ -235,47 +235,45 @@ def test_a_bad_sample_in_a_tokenizing_process_is_the_same_line(tmp_path, monkeyp
         once(Failing(chats(300)), tmp_path, tokenizer, tokenize_workers=2, token_cache="off")
 
 
-LAUNCHED = """
-import json, sys
-import torch
-from accelerate import PartialState
-from acc_trainer.config import ConfigError, TrainConfig
-from acc_trainer.distributed import processes
-from acc_trainer.workload import components
+def _two_processes_say(folder: str) -> None:
+    """In each process: what building the workload said of its tokens (or its refusal), for a good and a bad set
+    and for fit()'s objects; written into FOLDER/said-RANK.json."""
+    from accelerate import PartialState
 
-folder, said = sys.argv[1], []
-for name in ("chats.jsonl", "bad.jsonl"):
-    cfg = TrainConfig(model="lm_probe:base_model", tokenizer=f"{folder}/tokenizer", dataset=f"{folder}/{name}",
-                      token_cache=f"{folder}/cache", batch_size=8, tokenize_workers=2)
-    processes.start(cfg)
-    try:
-        said.append(components.build_workload(cfg).data.notes[-1])
-    except ConfigError as e:
-        said.append(f"ConfigError: {e}")
-# fit()'s objects (fit starts the process group before it builds them, as here): the same division of the work
-from lm_probe import chat_tokenizer, conversations, TEMPLATE_PLAIN
-cfg = TrainConfig(token_cache=f"{folder}/cache", tokenize_workers=2)
-job = components.from_objects(torch.nn.Linear(2, 2), conversations(300, 5), None, None, None, cfg=cfg,
-                              tokenizer=chat_tokenizer(TEMPLATE_PLAIN))
-said.append(job.data.notes[-1])
-with open(f"{folder}/said-{PartialState().process_index}.json", "w") as f:
-    json.dump(said, f)
-"""
+    from acc_trainer.distributed import processes
+    from acc_trainer.workload import components
+
+    said = []
+    for name in ("chats.jsonl", "bad.jsonl"):
+        cfg = TrainConfig(model="lm_probe:base_model", tokenizer=f"{folder}/tokenizer", dataset=f"{folder}/{name}",
+                          token_cache=f"{folder}/cache", batch_size=8, tokenize_workers=2)
+        processes.start(cfg)
+        try:
+            said.append(components.build_workload(cfg).data.notes[-1])
+        except ConfigError as e:
+            said.append(f"ConfigError: {e}")
+    # fit()'s objects (fit starts the process group before it builds them, as here): the same division of the work
+    cfg = TrainConfig(token_cache=f"{folder}/cache", tokenize_workers=2)
+    job = components.from_objects(torch.nn.Linear(2, 2), lm_probe.conversations(300, 5), None, None, None, cfg=cfg,
+                                  tokenizer=lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN))
+    said.append(job.data.notes[-1])
+    with open(f"{folder}/said-{PartialState().process_index}.json", "w") as f:
+        json.dump(said, f)
+
 
 
 def test_the_main_process_tokenizes_and_the_others_read_its_file_or_its_error(tmp_path):
-    """Two processes of a launch: the main one tokenizes (by two processes of its own) and keeps the tokens; the other
-    reads them. A bad sample is the same line on both, the other reading the main's refusal instead of a wait."""
-    from conftest import REPO, check, launch
+    """Two processes (forked from this one): the main one tokenizes (by two processes of its own) and keeps the tokens;
+    the other reads them. A bad sample is the same line on both, the other reading the main's refusal instead of a
+    wait."""
+    from conftest import forked
 
     lm_probe.chat_tokenizer(lm_probe.TEMPLATE_PLAIN).save_pretrained(tmp_path / "tokenizer")
     rows = chats(400)
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in rows))
     rows[300] = {"messages": [{"role": "narrator", "content": "hi"}]}
     (tmp_path / "bad.jsonl").write_text("".join(json.dumps(c) + "\n" for c in rows))
-    (tmp_path / "launched.py").write_text(LAUNCHED)
-    check(launch(tmp_path, launcher_args=["--multi_gpu", "--num_processes", "2"], target=(tmp_path / "launched.py",),
-                 env={"PYTHONPATH": str(REPO / "tests")}))
+    forked(_two_processes_say, str(tmp_path), processes=2)
     main, other = (json.loads((tmp_path / f"said-{rank}.json").read_text()) for rank in (0, 1))
     assert main[0].startswith(f"{tmp_path / 'chats.jsonl'}: 400 samples tokenized by 2 processes in ")
     assert other[0].startswith(f"{tmp_path / 'chats.jsonl'}: 400 samples read from the token cache in ")
