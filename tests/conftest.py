@@ -83,64 +83,109 @@ def run_cli(*args, cwd=None, timeout=300, command=None) -> subprocess.CompletedP
 
 def run_forked(*args, cwd=None, before=None, timeout=300) -> subprocess.CompletedProcess:
     """`acc-trainer ARGS` in a process of its own forked from this one, returning what run_cli returns: its exit code
-    (negative where a signal ended it) and what it printed on its stdout and stderr, from the state a new process
-    starts in (Accelerate's, warnings', signals', one thread). BEFORE: a function run in that process first (a file
-    size limit, say). No interpreter starts and nothing is imported again (2-3 s of CPU a run here); how the command
-    starts from the shell (`python -m acc_trainer`, the console script, imports, noise) stays run_cli's."""
-    import tempfile
+    (negative where a signal ended it) and what it printed on its stdout and stderr (pipes, as run_cli reads them).
+    The process starts from what a new one has: Accelerate's state, signal handlers, warnings' display, log handlers
+    on its own stderr, the environment _env gives, torch on one thread, no GPU. BEFORE: a function run in that process
+    first (a file size limit, say). No interpreter starts and nothing is imported again (2-3 s of CPU a run here); so
+    what a new interpreter prints while importing, or a warning this process already showed once, is not printed
+    again, and the process ends without the interpreter's teardown: how a command behaves from the shell (`python -m
+    acc_trainer`, the console script, no traceback, no noise) stays run_cli's."""
+    import selectors
 
-    reset_accelerate()
-    with tempfile.TemporaryDirectory(prefix="forked-cli-") as folder:
-        printed = (Path(folder) / "stdout", Path(folder) / "stderr")
-        pid = os.fork()
-        if pid == 0:  # the command's process: it never returns into the test
-            _forked_command([str(a) for a in args], str(cwd or os.getcwd()), printed, before)
-        deadline = time.monotonic() + timeout
-        while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(["acc-trainer", *map(str, args)], timeout)
-            time.sleep(0.02)
-        stdout, stderr = (path.read_text() for path in printed)
-    return subprocess.CompletedProcess(["acc-trainer", *map(str, args)], os.waitstatus_to_exitcode(ended[1]), stdout,
-                                       stderr)
+    import torch
 
-
-def _forked_command(argv: list[str], cwd: str, printed: tuple[Path, Path], before) -> None:
-    """In run_forked's process: the command, its output into the files PRINTED, its exit code the process's."""
-    code = 1
+    if torch.cuda.is_initialized():  # a forked process cannot use it (the same holds for forked())
+        raise RuntimeError("run_forked: this test process uses CUDA; run the command with run_cli")
+    reads, writes = zip(os.pipe(), os.pipe())
+    pid = os.fork()
+    if pid == 0:  # the command's process: whatever happens in it, it never returns into the test
+        try:
+            _forked_command([str(a) for a in args], str(cwd or os.getcwd()), writes, before)
+        finally:
+            os._exit(70)
+    command, printed = ["acc-trainer", *map(str, args)], {fd: b"" for fd in reads}
     try:
-        for fd, path in zip((1, 2), printed):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))  # noqa: SIM115
-        logging.root.handlers = []  # records as a new process prints them (warnings and up, on stderr)
-        importlib.reload(warnings)  # shown as a new interpreter shows them (pytest records them in a test)
-        warnings._filters_mutated()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))]:
-            del os.environ[name]  # as _env leaves them out of a subprocess's
-        os.chdir(cwd)
-        import torch
+        for fd in writes:
+            os.close(fd)
+        deadline, selector = time.monotonic() + timeout, selectors.DefaultSelector()
+        for fd in reads:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():  # until every process holding the pipes (the command's workers too) has closed them
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(command, timeout, printed[reads[0]], printed[reads[1]])
+            for key, _ in selector.select(timeout=1):
+                if chunk := os.read(key.fd, 1 << 16):
+                    printed[key.fd] += chunk
+                else:
+                    selector.unregister(key.fd)
+        ended = os.waitpid(pid, 0)[1]
+    except BaseException:  # a timeout, Ctrl-C: the command does not outlive the test
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    finally:
+        for fd in reads:
+            os.close(fd)
+    stdout, stderr = (printed[fd].decode(errors="backslashreplace") for fd in reads)
+    return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(ended), stdout, stderr)
 
-        torch.set_num_threads(1)
+
+def _forked_command(argv: list[str], cwd: str, writes: tuple[int, int], before) -> None:
+    """In run_forked's process: the command, its stdout and stderr into the pipes WRITES, its exit code the
+    process's, as the interpreter ends on an error or SystemExit."""
+    code, interrupted = 1, False
+    try:
+        _as_a_new_process(writes, cwd)
         if before is not None:
             before()
         from acc_trainer.cli import main
 
         main(argv)
         code = 0
-    except SystemExit as e:  # as the interpreter ends on it
+    except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # the interpreter prints it, then ends by SIGINT
+        traceback.print_exc()
+        interrupted = True
     except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught error
         traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(code)
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _as_a_new_process(writes: tuple[int, int], cwd: str) -> None:
+    """This forked process as a new one starts (see run_forked)."""
+    before = {id(stream): i for i, stream in enumerate((sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__))}
+    for fd, pipe in zip((1, 2), writes):
+        os.dup2(pipe, fd)
+        os.close(pipe)
+    streams = [open(fd, "w", buffering=1, closefd=False, errors=errors)  # noqa: SIM115
+               for fd, errors in ((1, "strict"), (2, "backslashreplace"))]
+    sys.stdout, sys.stderr = streams
+    logging.root.handlers = []  # records as a new process prints them (warnings and up, on stderr)
+    for logger in [logging.root, *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):  # a library's own handler (transformers'), made in this test
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in before:
+                handler.setStream(streams[before[id(handler.stream)] % 2])
+    importlib.reload(warnings)  # shown as a new interpreter shows them (pytest records them in a test)
+    warnings._filters_mutated()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))]:
+        del os.environ[name]  # as _env leaves them out of a subprocess's
+    os.environ.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    os.chdir(cwd)
+    reset_accelerate()
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def free_port() -> int:

@@ -5,7 +5,8 @@
 --signal/--at/--rank: process R sends itself the signal in its N-th backward pass (a micro-batch).
 --kill-in-save N:     the main process is killed (SIGKILL) inside its N-th checkpoint write.
 --poison I:           training sample I of the synthetic set is NaN (a runaway loss on one process).
-Also under `accelerate launch`, one per process, and in a process forked from a test's (`prepare(OPTIONS)` there).
+Also under a launch (`acc-trainer launch`), one per process, and in a process forked from a test's (`prepare(OPTIONS)`
+there: conftest.run_forked).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import re
 import time
 
 import pytest
-from conftest import run_forked
+from conftest import run_cli, run_forked
 from test_reports import assert_png
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
@@ -90,12 +90,13 @@ def test_bench_runs_every_variant_and_writes_its_files(tmp_path, main_in_process
 
 
 def test_bench_input_errors(tmp_path):
-    for args, message in [(["--processes", "0"], "--processes must be positive numbers"),
-                          (["--baselines", "tensorflow"], "unknown baseline 'tensorflow'"),
-                          (["--processes", "3", "--batch-size", "128"], "--batch-size 128 does not split over 3"),
-                          (["--steps", "60", "--warmup", "5"], "--warmup and --steps must be multiples of --log-every (10)"),
-                          (["--steps", "10", "--warmup", "10"], "0 < warmup < steps")]:
-        result = run_forked("bench", *args, cwd=tmp_path)
+    cases = [(["--processes", "0"], "--processes must be positive numbers"),
+             (["--baselines", "tensorflow"], "unknown baseline 'tensorflow'"),
+             (["--processes", "3", "--batch-size", "128"], "--batch-size 128 does not split over 3"),
+             (["--steps", "60", "--warmup", "5"], "--warmup and --steps must be multiples of --log-every (10)"),
+             (["--steps", "10", "--warmup", "10"], "0 < warmup < steps")]
+    for i, (args, message) in enumerate(cases):
+        result = (run_cli if i == 0 else run_forked)("bench", *args, cwd=tmp_path)  # the first from the shell
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("acc-trainer: error: ") and message in result.stderr
         assert result.stderr.count("\n") == 1

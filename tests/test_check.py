@@ -88,8 +88,8 @@ def test_a_dataset_whose_length_differs_per_process(project):
 
 
 def test_a_failing_check_exits_1_from_the_command_line(project):
-    result = run_forked("check", "--model", "broken:BatchNormNet", "--dataset", "my_data:load", "--batch-size", "64",
-                        "--steps", "4", cwd=project)
+    result = run_cli("check", "--model", "broken:BatchNormNet", "--dataset", "my_data:load", "--batch-size", "64",
+                     "--steps", "4", cwd=project)
     assert result.returncode == 1
     assert "3 check(s) failed" in result.stdout
     lines = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") >= 4}

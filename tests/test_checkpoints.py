@@ -57,7 +57,7 @@ def resumed(out, world=1):
     same acc_trainer.cli.main, on one thread as the subprocesses; nothing here is about the process
     boundary, and a run continued here must match the reference bit for bit all the same), on two processes
     forked from this one (conftest.forked_cli; the launches and their signals are the interrupted runs'). Returns
-    what the run printed as its stdout."""
+    what the run printed: its stdout on one process, every process's stdout and stderr together on two."""
     args = [*JOB, "--output-dir", out, "--resume", "auto"]
     if world == 1:
         return check(run_here(*args)).stdout

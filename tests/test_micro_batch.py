@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import forked, run_forked, summary
+from conftest import forked, run_cli, summary
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -136,7 +136,7 @@ def test_auto_tries_the_model_that_will_train(tmp_path):
     (["--micro-batch", "5", "--batch-size", "64"], "--micro-batch 5 does not divide the 64 samples of --batch-size 64"),
 ])
 def test_bad_micro_batches_are_one_line(tmp_path, args, message):
-    result = run_forked("--model", "linreg", "--dataset", "linear", "--max-steps", "1", *args, cwd=tmp_path)
+    result = run_cli("--model", "linreg", "--dataset", "linear", "--max-steps", "1", *args, cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr and not (tmp_path / "runs").exists()
 

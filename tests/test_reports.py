@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 import yaml
-from conftest import check, run_forked, run_here, summary
+from conftest import check, run_cli, run_forked, run_here, summary
 
 # The tests' own torch work on one thread (conftest.torch_on_one_thread): two test workers share 2 cores.
 pytestmark = pytest.mark.usefixtures("torch_on_one_thread")
@@ -67,7 +67,7 @@ def test_report_compares_runs(two_runs, tmp_path, main_in_process):
 
 
 def test_report_of_a_folder_that_is_not_a_run(two_runs, tmp_path):
-    result = run_forked("report", two_runs / "fast", tmp_path, cwd=tmp_path)
+    result = run_cli("report", two_runs / "fast", tmp_path, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip() == f"acc-trainer: error: {tmp_path} is not a run folder (it has no metrics.jsonl)"
     assert not (tmp_path / "report.png").exists()

@@ -52,7 +52,7 @@ def plain_run(tmp_path_factory):
 
 
 def check_sharded_engine(tmp_path, plain_run, engine: str, config: Path, shards: str) -> None:
-    """Trains SHARDED_JOB (+ EXTRA) under an engine, checkpointing at step 10, then resumes from that checkpoint."""
+    """Trains SHARDED_JOB under an engine's CONFIG, checkpointing at step 10, then resumes from that checkpoint."""
     check(launch(*SHARDED_JOB, *NO_PLOTS, "--output-dir", tmp_path / "run", "--checkpoint-every", "10",
                  launcher_args=["--config_file", config]))
     s, plain = summary(tmp_path / "run"), summary(plain_run)

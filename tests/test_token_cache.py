@@ -261,7 +261,6 @@ def _two_processes_say(folder: str) -> None:
         json.dump(said, f)
 
 
-
 def test_the_main_process_tokenizes_and_the_others_read_its_file_or_its_error(tmp_path):
     """Two processes (forked from this one): the main one tokenizes (by two processes of its own) and keeps the tokens;
     the other reads them. A bad sample is the same line on both, the other reading the main's refusal instead of a
