@@ -143,8 +143,9 @@ def _forked_command(argv: list[str], cwd: str, writes: tuple[int, int], before) 
         main(argv)
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int) and e.code is not None:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # a message: printed, exit 1
             print(e.code, file=sys.stderr)
     except KeyboardInterrupt:  # the interpreter prints it, then ends by SIGINT
         traceback.print_exc()
@@ -162,7 +163,7 @@ def _forked_command(argv: list[str], cwd: str, writes: tuple[int, int], before) 
 
 def _as_a_new_process(writes: tuple[int, int], cwd: str) -> None:
     """This forked process as a new one starts (see run_forked)."""
-    before = {id(stream): i for i, stream in enumerate((sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__))}
+    previous = {id(stream): i for i, stream in enumerate((sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__))}
     for fd, pipe in zip((1, 2), writes):
         os.dup2(pipe, fd)
         os.close(pipe)
@@ -172,15 +173,15 @@ def _as_a_new_process(writes: tuple[int, int], cwd: str) -> None:
     logging.root.handlers = []  # records as a new process prints them (warnings and up, on stderr)
     for logger in [logging.root, *logging.Logger.manager.loggerDict.values()]:
         for handler in getattr(logger, "handlers", []):  # a library's own handler (transformers'), made in this test
-            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in before:
-                handler.setStream(streams[before[id(handler.stream)] % 2])
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in previous:
+                handler.setStream(streams[previous[id(handler.stream)] % 2])
     importlib.reload(warnings)  # shown as a new interpreter shows them (pytest records them in a test)
     warnings._filters_mutated()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))]:
-        del os.environ[name]  # as _env leaves them out of a subprocess's
-    os.environ.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    env = _env(CUDA_VISIBLE_DEVICES="")  # a subprocess's environment
+    os.environ.clear()
+    os.environ.update(env)
     os.chdir(cwd)
     reset_accelerate()
     import torch
